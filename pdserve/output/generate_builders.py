@@ -1,0 +1,130 @@
+"""Generate responses and stream chunks for each output mode, built from request state."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pdserve.output.request_state import ChoiceState, ChoiceUpdate, RequestState
+from pdserve.protocol.generate import (
+    GenerateDerenderChoice,
+    GenerateDerenderResponse,
+    GenerateDerenderStreamChoice,
+    GenerateDerenderStreamResponse,
+    GenerateLogProbs,
+    GenerateResponseBase,
+    GenerateTextChoice,
+    GenerateTextResponse,
+    GenerateTextStreamChoice,
+    GenerateTextStreamResponse,
+    GenerateTokensChoice,
+    GenerateTokensResponse,
+    GenerateTokensStreamChoice,
+    GenerateTokensStreamResponse,
+)
+from pdserve.protocol.openai import ChatCompletionLogProbs, DeltaMessage, UsageInfo
+from pdserve.text.logprobs import to_generate_logprobs
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    )
+
+
+def _tokens_logprobs(choice: ChoiceState, want: bool) -> GenerateLogProbs | None:
+    return GenerateLogProbs(content=to_generate_logprobs(choice.logprobs)) if want else None
+
+
+def _chat_logprobs(choice: ChoiceState, want: bool) -> ChatCompletionLogProbs | None:
+    return ChatCompletionLogProbs(content=list(choice.decoded_logprobs)) if want else None
+
+
+def batch_response(state: RequestState, base: dict[str, Any]) -> GenerateResponseBase:
+    """The non-streaming response; ``base`` holds the shared top-level fields."""
+    cfg = state.config
+    want = cfg.want_logprobs
+    common = dict(base, usage=usage_of(len(cfg.prompt_token_ids), state.completion_tokens), created=int(time.time()))
+    if cfg.mode == "tokens":
+        choices = [
+            GenerateTokensChoice(
+                index=c.index,
+                finish_reason=c.finish_reason or "stop",
+                stop_reason=c.stop_reason,
+                token_ids=c.token_ids,
+                logprobs=_tokens_logprobs(c, want),
+            )
+            for c in state.choices
+        ]
+        return GenerateTokensResponse(choices=choices, **common)
+    if cfg.mode == "text":
+        text_choices = [
+            GenerateTextChoice(
+                index=c.index,
+                finish_reason=c.finish_reason or "stop",
+                stop_reason=c.stop_reason,
+                token_ids=c.token_ids,
+                text=c.text,
+                logprobs=_chat_logprobs(c, want),
+            )
+            for c in state.choices
+        ]
+        return GenerateTextResponse(choices=text_choices, **common)
+    derender_choices = []
+    for c in state.choices:
+        message, finish, hide = c.final_message()
+        derender_choices.append(
+            GenerateDerenderChoice(
+                index=c.index,
+                finish_reason=finish,
+                stop_reason=c.stop_reason,
+                token_ids=None if hide else c.token_ids,
+                message=message,
+                logprobs=None if hide else _chat_logprobs(c, want),
+            )
+        )
+    return GenerateDerenderResponse(choices=derender_choices, **common)
+
+
+def stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageInfo | None, first_for_choice: bool) -> dict:
+    """One SSE event (one choice) as a JSON-ready dict."""
+    cfg = state.config
+    fields: dict[str, Any] = dict(
+        index=update.index,
+        finish_reason=update.finish_reason,
+        stop_reason=update.stop_reason,
+        token_ids=update.token_ids,
+    )
+    if cfg.mode == "tokens":
+        logprobs = None
+        if cfg.want_logprobs and update.logprobs is not None:
+            logprobs = GenerateLogProbs(content=to_generate_logprobs(update.logprobs))
+        chunk: Any = GenerateTokensStreamResponse(
+            request_id=state.request_id, usage=usage, choices=[GenerateTokensStreamChoice(logprobs=logprobs, **fields)]
+        )
+    elif cfg.mode == "text":
+        logprobs_text = None
+        if cfg.want_logprobs and update.decoded_logprobs is not None:
+            logprobs_text = ChatCompletionLogProbs(content=update.decoded_logprobs)
+        chunk = GenerateTextStreamResponse(
+            request_id=state.request_id,
+            usage=usage,
+            choices=[GenerateTextStreamChoice(text=update.text, logprobs=logprobs_text, **fields)],
+        )
+    else:
+        parser = state.choices[update.index].parser
+        hide = parser is not None and parser.hide_metadata
+        delta = update.delta.model_copy() if update.delta is not None else DeltaMessage()
+        if first_for_choice:
+            delta.role = "assistant"
+        logprobs_chat = None
+        if cfg.want_logprobs and update.decoded_logprobs is not None and not hide:
+            logprobs_chat = ChatCompletionLogProbs(content=update.decoded_logprobs)
+        if hide:
+            fields["token_ids"] = None
+        chunk = GenerateDerenderStreamResponse(
+            request_id=state.request_id,
+            usage=usage,
+            choices=[GenerateDerenderStreamChoice(delta=delta, logprobs=logprobs_chat, **fields)],
+        )
+    return chunk.model_dump(mode="json", exclude={"prompt_token_ids"} if chunk.prompt_token_ids is None else set())

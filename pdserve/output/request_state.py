@@ -1,0 +1,211 @@
+"""Request-scoped output state: the one place where engine ids become text, messages and logprobs.
+
+A :class:`RequestState` is created when a request starts and dropped when it
+finishes, aborts or its client goes away. It owns one :class:`ChoiceState` per
+sequence (detokenizer, parser, logprob context). Every surface (inline
+``text``/``derender`` on generate, the coupled OpenAI endpoints and the
+stateless ``/derender`` replay) feeds engine outputs through this class, so
+their outputs agree by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from pdserve.engine.api import EngineOutput, PositionLogprobs
+from pdserve.protocol.openai import ChatCompletionLogProbsContent, ChatMessage, DeltaMessage
+from pdserve.text.detokenizer import IncrementalDetokenizer, StopConfig
+from pdserve.text.logprobs import LogprobDecoder
+from pdserve.text.tokenizer import Tokenizer
+
+OutputMode = Literal["tokens", "text", "derender"]
+
+
+class ChoiceParser(Protocol):
+    """What the output layer needs from a per-choice chat parser (pdserve.parsers.ChatParser)."""
+
+    hide_metadata: bool
+
+    def step(
+        self, delta_text: str, delta_ids: Sequence[int], finish_reason: str | None
+    ) -> tuple[DeltaMessage | None, str | None]: ...
+
+    def parse(self, text: str, token_ids: Sequence[int], finish_reason: str | None) -> tuple[ChatMessage, str]: ...
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """How to postprocess one request's outputs."""
+
+    mode: OutputMode
+    prompt_token_ids: Sequence[int]
+    tokenizer: Tokenizer | None = None
+    skip_special_tokens: bool = True
+    stop: StopConfig = StopConfig()
+    want_logprobs: bool = False
+    # Candidates kept per position at the decoded levels (None = all the engine returned).
+    top_logprobs_limit: int | None = None
+    # Builds the per-choice parser at the derender level; None = plain text into content.
+    parser_factory: Callable[[], ChoiceParser] | None = None
+    streaming: bool = False
+
+
+@dataclass
+class ChoiceUpdate:
+    """What one engine output released for one choice."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None
+    text: str = ""
+    delta: DeltaMessage | None = None
+    decoded_logprobs: list[ChatCompletionLogProbsContent] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def is_empty(self) -> bool:
+        delta_empty = self.delta is None or self.delta.is_empty()
+        return not self.token_ids and not self.text and delta_empty and not self.finished
+
+
+@dataclass
+class ChoiceState:
+    """One output sequence: ids so far, detokenizer, parser, logprob context."""
+
+    index: int
+    config: OutputConfig
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    decoded_logprobs: list[ChatCompletionLogProbsContent] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    detok: IncrementalDetokenizer | None = None
+    parser: ChoiceParser | None = None
+    _released: int = 0
+    _logprob_decoder: LogprobDecoder | None = None
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        needs_text = cfg.mode != "tokens" or bool(cfg.stop.stop)
+        if needs_text and cfg.tokenizer is not None:
+            self.detok = IncrementalDetokenizer(
+                cfg.tokenizer, cfg.prompt_token_ids, skip_special_tokens=cfg.skip_special_tokens, stop=cfg.stop
+            )
+        if cfg.mode != "tokens" and cfg.want_logprobs and cfg.tokenizer is not None:
+            self._logprob_decoder = LogprobDecoder(cfg.tokenizer)
+        if cfg.mode == "derender" and cfg.parser_factory is not None and cfg.streaming:
+            self.parser = cfg.parser_factory()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def stopped_by_string(self) -> bool:
+        return self.detok is not None and self.detok.stopped
+
+    @property
+    def text(self) -> str:
+        return self.detok.text if self.detok is not None else ""
+
+    def add(self, out: EngineOutput) -> ChoiceUpdate | None:
+        """Fold one engine output in; returns what to send for it (None once finished)."""
+        if self.finished:
+            return None
+        before = len(self.token_ids)
+        finish, stop_reason = out.finish_reason, out.stop_reason
+        if self.detok is not None:
+            stop_terminated = finish == "stop" and not isinstance(stop_reason, str)
+            self.detok.update(out.new_token_ids, stop_terminated)
+            accepted = self.detok.output_ids[before:]
+            if self.detok.stopped:
+                finish, stop_reason = "stop", self.detok.stop_string
+            if finish is not None:
+                self.detok.finish()
+        else:
+            accepted = list(out.new_token_ids)
+        self.token_ids.extend(accepted)
+        if out.new_logprobs is not None:
+            self.logprobs.extend(out.new_logprobs[: len(accepted)])
+        self.finish_reason, self.stop_reason = finish, stop_reason
+
+        if self.config.mode == "tokens" or self.detok is None:
+            self._released = len(self.token_ids)
+            new_logprobs = self.logprobs[before:] if out.new_logprobs is not None else None
+            return ChoiceUpdate(self.index, accepted, new_logprobs, finish_reason=finish, stop_reason=stop_reason)
+
+        released = self.detok.release(self.finished)
+        start, self._released = self._released, self._released + released.num_ids
+        ids = self.token_ids[start : self._released]
+        update = ChoiceUpdate(self.index, ids, None, text=released.text, finish_reason=finish, stop_reason=stop_reason)
+        if self._logprob_decoder is not None and self.logprobs:
+            update.logprobs = self.logprobs[start : self._released]
+            update.decoded_logprobs = self._logprob_decoder.chat_content(
+                update.logprobs, ids, self.config.top_logprobs_limit
+            )
+            self.decoded_logprobs.extend(update.decoded_logprobs)
+        if self.parser is not None:
+            update.delta, update.finish_reason = self.parser.step(released.text, ids, finish)
+            if self.parser.hide_metadata:
+                update.decoded_logprobs = None
+        elif self.config.mode == "derender" and self.config.streaming:
+            update.delta = DeltaMessage(content=released.text or None)
+        return update
+
+    def final_message(self) -> tuple[ChatMessage, str, bool]:
+        """Batch derender: parse the whole (stop-truncated) text once.
+
+        Returns the message, the resolved finish_reason and whether token ids and
+        logprobs must be hidden (reasoning hidden by the request).
+        """
+        if self.config.parser_factory is None:
+            return ChatMessage(content=self.text), self.finish_reason or "stop", False
+        parser = self.config.parser_factory()
+        message, finish = parser.parse(self.text, self.token_ids, self.finish_reason)
+        return message, finish, parser.hide_metadata
+
+
+class RequestState:
+    """All choices of one request."""
+
+    def __init__(self, request_id: str, n: int, config: OutputConfig):
+        self.request_id = request_id
+        self.config = config
+        self.choices = [ChoiceState(i, config) for i in range(n)]
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        self.kv_transfer_params: dict | None = None
+        self.num_cached_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    def add(self, out: EngineOutput) -> ChoiceUpdate | None:
+        if not 0 <= out.index < len(self.choices):
+            raise ValueError(f"engine output for unknown sequence index {out.index}")
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if out.kv_transfer_params is not None:
+            self.kv_transfer_params = out.kv_transfer_params
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        return self.choices[out.index].add(out)
+
+    def abort_unfinished(self) -> list[ChoiceUpdate]:
+        """Terminal ``abort`` updates for choices the engine never finished (flushes held-back text)."""
+        updates = []
+        for choice in self.choices:
+            if not choice.finished:
+                update = choice.add(EngineOutput(request_id=self.request_id, index=choice.index, finish_reason="abort"))
+                if update is not None:
+                    updates.append(update)
+        return updates
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)

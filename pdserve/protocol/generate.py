@@ -1,0 +1,258 @@
+"""``POST /inference/v1/generate`` request and response types (vLLM 0.33 wire + ``output_mode``).
+
+Responses and stream chunks are discriminated by ``output_mode``; a body without
+the key is a ``tokens`` response (what servers that predate the field send).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
+
+from pdserve.protocol.openai import (
+    ChatCompletionLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionToolsParam,
+    ChatMessage,
+    DeltaMessage,
+    NamedToolChoice,
+    StreamOptions,
+    UsageInfo,
+)
+from pdserve.protocol.sampling import SamplingParams
+
+OutputMode = Literal["tokens", "text", "derender"]
+
+
+class ParseContext(BaseModel):
+    """What ``/render`` emits so a decode server can build the request's parsers."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = "none"
+    parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    history_tool_call_cnt: int = Field(0, ge=0)
+
+    def to_chat_request(self) -> ChatCompletionRequest:
+        """A message-less chat request carrying only the parser context."""
+        names = {t.function.name for t in self.tools or []}
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError("The tool specified in `tool_choice` does not match any of the specified `tools`")
+        return ChatCompletionRequest(
+            messages=[],
+            tools=self.tools,
+            tool_choice=self.tool_choice,
+            parallel_tool_calls=self.parallel_tool_calls,
+            include_reasoning=self.include_reasoning,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
+
+
+class ReasoningParserKwargs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    request_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    token_ids: list[int] = Field(min_length=1)
+    sampling_params: SamplingParams
+    model: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    output_mode: OutputMode = "tokens"
+    parse_context: ParseContext | None = None
+    chat_request: ChatCompletionRequest | None = None
+    reasoning_ended: bool | None = None
+    reasoning_parser_kwargs: ReasoningParserKwargs | None = None
+    return_token_ids: bool | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    priority: int = 0
+
+    @model_validator(mode="after")
+    def _check_request(self) -> GenerateRequest:
+        # DESIGN.md validation rules 2, 3 and 6 (the request alone decides these).
+        if any(t < 0 for t in self.token_ids):
+            raise ValueError("token_ids must be non-negative integers")
+        if self.output_mode != "tokens" and "detokenize" in self.sampling_params.provided:
+            if not self.sampling_params.detokenize:
+                raise ValueError(
+                    f"output_mode={self.output_mode!r} needs detokenization, but sampling_params.detokenize "
+                    "is false; drop detokenize or use output_mode='tokens'"
+                )
+        if self.chat_request is not None and self.output_mode != "derender":
+            raise ValueError(
+                f"chat_request is only used with output_mode='derender' (got {self.output_mode!r}); "
+                "set output_mode='derender' or drop chat_request"
+            )
+        if self.chat_request is not None and self.parse_context is not None:
+            raise ValueError("give either chat_request or parse_context as parser context, not both")
+        return self
+
+    def effective_kv_transfer_params(self) -> dict[str, Any] | None:
+        """Top-level kv_transfer_params win over ``sampling_params.extra_args`` (llm-d sends either)."""
+        if self.kv_transfer_params is not None:
+            return self.kv_transfer_params
+        extra = self.sampling_params.extra_args or {}
+        return extra.get("kv_transfer_params")
+
+
+# ---------------------------------------------------------------- logprobs (tokens level)
+
+
+class GenerateLogProb(BaseModel):
+    token_id: int
+    logprob: float
+    rank: int | None = None
+
+
+class GenerateLogProbsContent(GenerateLogProb):
+    top_logprobs: list[GenerateLogProb] = Field(default_factory=list)
+
+
+class GenerateLogProbs(BaseModel):
+    content: list[GenerateLogProbsContent] | None = None
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# ---------------------------------------------------------------- batch responses
+
+
+class GenerateChoiceBase(BaseModel):
+    index: int
+    finish_reason: str | None = "stop"
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    routed_experts: str | None = None
+    sampling_mask: list[list[int]] | None = None
+    weight_versions: list[dict[str, Any]] | None = None
+
+
+class GenerateTokensChoice(GenerateChoiceBase):
+    logprobs: GenerateLogProbs | None = None
+
+
+class GenerateTextChoice(GenerateChoiceBase):
+    text: str
+    logprobs: ChatCompletionLogProbs | None = None
+
+
+class GenerateDerenderChoice(GenerateChoiceBase):
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+
+
+class GenerateResponseBase(BaseModel):
+    request_id: str
+    model: str | None = None
+    created: int | None = None
+    usage: UsageInfo
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    prompt_token_id_logprobs: str | None = None
+    prompt_token_ids: list[int] | None = None
+    mm_placeholders: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+
+
+class GenerateTokensResponse(GenerateResponseBase):
+    output_mode: Literal["tokens"] = "tokens"
+    choices: list[GenerateTokensChoice]
+
+
+class GenerateTextResponse(GenerateResponseBase):
+    output_mode: Literal["text"] = "text"
+    choices: list[GenerateTextChoice]
+
+
+class GenerateDerenderResponse(GenerateResponseBase):
+    output_mode: Literal["derender"] = "derender"
+    choices: list[GenerateDerenderChoice]
+
+
+# ---------------------------------------------------------------- stream chunks
+
+
+class GenerateStreamChoiceBase(BaseModel):
+    index: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    routed_experts: str | None = None
+    sampling_mask: list[list[int]] | None = None
+    weight_versions: list[dict[str, Any]] | None = None
+
+
+class GenerateTokensStreamChoice(GenerateStreamChoiceBase):
+    logprobs: GenerateLogProbs | None = None
+
+
+class GenerateTextStreamChoice(GenerateStreamChoiceBase):
+    text: str = ""
+    logprobs: ChatCompletionLogProbs | None = None
+
+
+class GenerateDerenderStreamChoice(GenerateStreamChoiceBase):
+    delta: DeltaMessage = Field(default_factory=DeltaMessage)
+    logprobs: ChatCompletionLogProbs | None = None
+
+
+class GenerateStreamResponseBase(BaseModel):
+    request_id: str
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class GenerateTokensStreamResponse(GenerateStreamResponseBase):
+    output_mode: Literal["tokens"] = "tokens"
+    choices: list[GenerateTokensStreamChoice]
+
+
+class GenerateTextStreamResponse(GenerateStreamResponseBase):
+    output_mode: Literal["text"] = "text"
+    choices: list[GenerateTextStreamChoice]
+
+
+class GenerateDerenderStreamResponse(GenerateStreamResponseBase):
+    output_mode: Literal["derender"] = "derender"
+    choices: list[GenerateDerenderStreamChoice]
+
+
+def _mode_of(value: Any) -> str:
+    if isinstance(value, dict):
+        return value.get("output_mode") or "tokens"
+    return getattr(value, "output_mode", "tokens")
+
+
+GenerateResponse = Annotated[
+    Annotated[GenerateTokensResponse, Tag("tokens")]
+    | Annotated[GenerateTextResponse, Tag("text")]
+    | Annotated[GenerateDerenderResponse, Tag("derender")],
+    Discriminator(_mode_of),
+]
+GenerateStreamResponse = Annotated[
+    Annotated[GenerateTokensStreamResponse, Tag("tokens")]
+    | Annotated[GenerateTextStreamResponse, Tag("text")]
+    | Annotated[GenerateDerenderStreamResponse, Tag("derender")],
+    Discriminator(_mode_of),
+]
+generate_response_adapter: TypeAdapter[Any] = TypeAdapter(GenerateResponse)
+generate_stream_response_adapter: TypeAdapter[Any] = TypeAdapter(GenerateStreamResponse)
+
+
+class AbortRequest(BaseModel):
+    request_ids: list[str]

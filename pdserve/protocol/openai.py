@@ -1,0 +1,308 @@
+"""OpenAI-shaped wire types (chat/completions requests, messages, deltas, logprobs).
+
+Field names follow vLLM 0.33: the parsed chain of thought is ``reasoning``
+(``reasoning_content`` is accepted on input assistant messages only).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+
+def random_hex() -> str:
+    return uuid.uuid4().hex
+
+
+def make_tool_call_id() -> str:
+    return f"chatcmpl-tool-{random_hex()}"
+
+
+class OpenAIModel(BaseModel):
+    """Base for OpenAI types: unknown input keys are accepted (and ignored by us)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+# ---------------------------------------------------------------- tools
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedToolFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=make_tool_call_id)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] | None = None
+    index: int
+    function: DeltaFunctionCall | None = None
+
+
+# ---------------------------------------------------------------- messages
+
+
+def _drop_empty_tool_calls(data: dict[str, Any]) -> dict[str, Any]:
+    if not data.get("tool_calls"):
+        data.pop("tool_calls", None)
+    return data
+
+
+class ChatMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> dict[str, Any]:
+        return _drop_empty_tool_calls(handler(self))
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> dict[str, Any]:
+        return _drop_empty_tool_calls(handler(self))
+
+    def is_empty(self) -> bool:
+        return self.role is None and self.content is None and self.reasoning is None and not self.tool_calls
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+class ChatCompletionLogProb(BaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(BaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------- usage / errors
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: int | None = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+# ---------------------------------------------------------------- requests
+
+
+class ChatCompletionRequest(OpenAIModel):
+    """The chat request (also the RFC's ``chat_request`` parser context on generate)."""
+
+    messages: list[dict[str, Any]]
+    model: str | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: ToolChoice | None = "none"
+    parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    min_tokens: int = 0
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool | None = None
+    request_id: str = Field(default_factory=random_hex)
+    kv_transfer_params: dict[str, Any] | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+
+    def model_post_init(self, __context: Any) -> None:
+        # A request with tools and no explicit tool_choice means "auto" (OpenAI default).
+        if self.tools and "tool_choice" not in self.model_fields_set:
+            self.tool_choice = "auto"
+
+    def named_tool(self) -> str | None:
+        """The forced tool's name when tool_choice names one."""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+
+class CompletionRequest(OpenAIModel):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    echo: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool | None = None
+    request_id: str = Field(default_factory=random_hex)
+    kv_transfer_params: dict[str, Any] | None = None
+    priority: int = 0
+
+
+# ---------------------------------------------------------------- responses
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = "stop"
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class ChatCompletionResponseStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None

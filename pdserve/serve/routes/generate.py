@@ -1,0 +1,199 @@
+"""``POST /inference/v1/generate`` and the abort routes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, BackgroundTasks, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.engine.api import EngineError, EngineRequest, SequenceSampling
+from pdserve.output.driver import drive
+from pdserve.output.generate_builders import batch_response, stream_chunk, usage_of
+from pdserve.output.request_state import OutputConfig, RequestState
+from pdserve.protocol.errors import RequestError
+from pdserve.protocol.generate import AbortRequest, GenerateRequest
+from pdserve.serve.app import AppState, app_state, error_event, parse_body
+from pdserve.serve.sse import DONE, sse_event
+from pdserve.serve.validation import resolve_max_tokens, validate_generate
+from pdserve.text.detokenizer import StopConfig
+from pdserve.text.logprobs import prompt_logprob_dicts
+
+router = APIRouter()
+
+
+def engine_request(req: GenerateRequest, request_id: str, max_tokens: int) -> EngineRequest:
+    sp = req.sampling_params
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=req.token_ids,
+        sampling=SequenceSampling(
+            n=sp.n,
+            max_tokens=max_tokens,
+            min_tokens=sp.min_tokens,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            min_p=sp.min_p,
+            seed=sp.seed,
+            stop_token_ids=sp.stop_token_ids,
+            ignore_eos=sp.ignore_eos,
+            logprobs=sp.logprobs,
+            prompt_logprobs=sp.prompt_logprobs,
+        ),
+        kv_transfer_params=req.effective_kv_transfer_params(),
+        priority=req.priority,
+        extra_args=sp.extra_args,
+    )
+
+
+def output_config(state: AppState, req: GenerateRequest) -> OutputConfig:
+    sp = req.sampling_params
+    parser_factory = None
+    top_limit = None
+    if req.output_mode == "derender":
+        from pdserve.serve.parsing import chat_parser_factory
+
+        parser_factory = chat_parser_factory(state, req)
+        top_limit = None if sp.logprobs is None else max(sp.logprobs, 0)
+    skip_special = sp.skip_special_tokens
+    if parser_factory is not None and state.parser_config is not None and state.parser_config.configured:
+        skip_special = False  # parsers need their markup tokens (vLLM's adjust_request does the same)
+    return OutputConfig(
+        mode=req.output_mode,
+        prompt_token_ids=req.token_ids,
+        tokenizer=state.tokenizer,
+        skip_special_tokens=skip_special,
+        stop=StopConfig(tuple(sp.stop), sp.include_stop_str_in_output, sp.min_tokens),
+        want_logprobs=sp.logprobs is not None,
+        top_logprobs_limit=top_limit,
+        parser_factory=parser_factory,
+        streaming=bool(req.stream),
+    )
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+@router.post("/inference/v1/generate")
+async def generate(request: Request) -> Response:
+    state = app_state(request)
+    mode = "tokens"
+    try:
+        req = await parse_body(request, GenerateRequest)
+        mode = req.output_mode
+        engine = state.require_engine()
+        validate_generate(state, req)
+    except RequestError as e:
+        state.metrics.requests.labels("generate", mode, str(e.status)).inc()
+        raise
+    request_id = "generate-tokens-" + (request.headers.get("x-request-id") or req.request_id)
+    max_tokens = resolve_max_tokens(engine.info.max_model_len, req)
+    rstate = RequestState(request_id, req.sampling_params.n, output_config(state, req))
+    ereq = engine_request(req, request_id, max_tokens)
+    base = {
+        "request_id": request_id,
+        "model": state.model_name,
+        "prompt_token_ids": req.token_ids if req.return_token_ids else None,
+    }
+    if req.stream:
+        return StreamingResponse(_stream(state, req, ereq, rstate), media_type="text/event-stream")
+    return await _batch(request, state, req, ereq, rstate, base)
+
+
+async def _batch(
+    request: Request, state: AppState, req: GenerateRequest, ereq: EngineRequest, rstate: RequestState, base: dict
+) -> Response:
+    engine = state.require_engine()
+
+    async def collect() -> None:
+        async for update in drive(engine, ereq, rstate):
+            state.metrics.tokens_out.inc(len(update.token_ids))
+
+    state.metrics.running.inc()
+    status = "200"
+    work = asyncio.ensure_future(collect())
+    gone = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            status = "499"  # the client left; cancelling drive() aborts the engine request
+            return Response(status_code=499)
+        try:
+            work.result()
+        except EngineError:
+            status = "500"
+            raise
+        if rstate.prompt_logprobs is not None:
+            base["prompt_logprobs"] = prompt_logprob_dicts(state.tokenizer, rstate.prompt_logprobs)
+        base["kv_transfer_params"] = rstate.kv_transfer_params
+        return JSONResponse(batch_response(rstate, base).model_dump(mode="json"))
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+        state.metrics.running.dec()
+        state.metrics.requests.labels("generate", req.output_mode, status).inc()
+
+
+async def _stream(state: AppState, req: GenerateRequest, ereq: EngineRequest, rstate: RequestState) -> AsyncIterator[str]:
+    engine = state.require_engine()
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+    prompt_len = len(req.token_ids)
+    seen: set[int] = set()
+    first_chunk = True
+    status = "200"
+    state.metrics.running.inc()
+    try:
+        async for update in drive(engine, ereq, rstate):
+            if update.is_empty():
+                continue
+            state.metrics.tokens_out.inc(len(update.token_ids))
+            usage = None
+            if continuous:
+                usage = usage_of(prompt_len, len(rstate.choices[update.index].token_ids))
+            chunk = stream_chunk(rstate, update, usage, first_for_choice=update.index not in seen)
+            seen.add(update.index)
+            if first_chunk and req.return_token_ids:
+                chunk["prompt_token_ids"] = req.token_ids
+            first_chunk = False
+            yield sse_event(chunk)
+        if include_usage:
+            usage_chunk: dict[str, Any] = {
+                "request_id": rstate.request_id,
+                "output_mode": req.output_mode,
+                "choices": [],
+                "usage": usage_of(prompt_len, rstate.completion_tokens).model_dump(exclude_none=True),
+            }
+            yield sse_event(usage_chunk)
+    except EngineError as e:
+        status = "500"
+        yield sse_event(error_event(f"engine error: {e}", 500, "InternalServerError"))
+    except asyncio.CancelledError:
+        status = "499"
+        raise
+    finally:
+        state.metrics.running.dec()
+        state.metrics.requests.labels("generate", req.output_mode, status).inc()
+    yield DONE
+
+
+async def _abort(request: Request, background: BackgroundTasks) -> Response:
+    state = app_state(request)
+    body = await parse_body(request, AbortRequest)
+    engine = state.require_engine()
+    background.add_task(engine.abort, body.request_ids)
+    return Response(status_code=200)
+
+
+router.add_api_route("/inference/v1/abort_requests", _abort, methods=["POST"])
+router.add_api_route("/abort_requests", _abort, methods=["POST"])

@@ -1,0 +1,157 @@
+"""Logprob conversion: engine ids -> the generate ``tokens`` shape or decoded OpenAI shapes.
+
+Decoded strings come from the tokenizer's per-id table; only a piece that ends
+in U+FFFD (one byte of a character split across tokens) is re-decoded with the
+preceding sampled ids as context, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from pdserve.engine.api import PositionLogprobs
+from pdserve.protocol.generate import GenerateLogProb, GenerateLogProbsContent, PromptLogprob
+from pdserve.protocol.openai import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbsContent,
+    CompletionLogProbs,
+)
+from pdserve.text.tokenizer import REPLACEMENT_CHAR, Tokenizer
+
+LOGPROB_FLOOR = -9999.0
+REPAIR_CONTEXT = 4
+
+
+def clamp_logprob(value: float) -> float:
+    if math.isnan(value):
+        return LOGPROB_FLOOR
+    return max(value, LOGPROB_FLOOR)
+
+
+def _candidates(position: PositionLogprobs) -> list[tuple[int, float, int]]:
+    """(id, logprob, rank) in engine order, sampled first, each id once."""
+    seen: set[int] = set()
+    out = []
+    for token_id, logprob, rank in zip(position.token_ids, position.logprobs, position.ranks):
+        if token_id not in seen:
+            seen.add(token_id)
+            out.append((token_id, logprob, rank))
+    return out
+
+
+def to_generate_logprobs(positions: Sequence[PositionLogprobs]) -> list[GenerateLogProbsContent]:
+    """The ``tokens`` level: int ids, every engine candidate kept (sampled first)."""
+    content = []
+    for position in positions:
+        cands = _candidates(position)
+        tops = [GenerateLogProb(token_id=t, logprob=clamp_logprob(lp), rank=r or None) for t, lp, r in cands]
+        sampled = tops[0]
+        content.append(
+            GenerateLogProbsContent(
+                token_id=sampled.token_id, logprob=sampled.logprob, rank=sampled.rank, top_logprobs=tops
+            )
+        )
+    return content
+
+
+class LogprobDecoder:
+    """Decodes logprob ids of one sequence; keeps the last sampled ids as repair context."""
+
+    def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()):
+        self._tok = tokenizer
+        self.context: list[int] = list(context)[-REPAIR_CONTEXT:]
+
+    def token_string(self, token_id: int) -> str:
+        if not self._tok.in_vocab(token_id):
+            return ""
+        piece = self._tok.token_strings[token_id]
+        if piece.endswith(REPLACEMENT_CHAR):
+            return self._repair(token_id)
+        return piece
+
+    def _repair(self, token_id: int) -> str:
+        """Decode a byte-fallback piece with up to 4 preceding sampled ids, keep only its own text."""
+        for k in range(1, min(REPAIR_CONTEXT, len(self.context)) + 1):
+            ctx = self.context[-k:]
+            full = self._tok.decode(ctx + [token_id])
+            if full.endswith(REPLACEMENT_CHAR):
+                continue
+            clean = list(ctx)
+            while clean and self._tok.token_strings[clean[-1]].endswith(REPLACEMENT_CHAR):
+                clean.pop()
+            prefix = self._tok.decode(clean)
+            if full.startswith(prefix):
+                return full[len(prefix) :]
+            common = 0
+            while common < min(len(prefix), len(full)) and prefix[common] == full[common]:
+                common += 1
+            return full[common:]
+        return ""
+
+    def _entry(self, token_id: int, logprob: float) -> ChatCompletionLogProb:
+        token = self.token_string(token_id)
+        return ChatCompletionLogProb(token=token, logprob=clamp_logprob(logprob), bytes=list(token.encode("utf-8")))
+
+    def chat_content(
+        self, positions: Sequence[PositionLogprobs], sampled_ids: Sequence[int], top_limit: int | None
+    ) -> list[ChatCompletionLogProbsContent]:
+        """OpenAI chat shape; ``top_limit`` cuts the candidate list (sampled counted first)."""
+        out = []
+        for position, sampled_id in zip(positions, sampled_ids):
+            cands = _candidates(position)
+            if not cands or cands[0][0] != sampled_id:
+                out.append(ChatCompletionLogProbsContent(token=self.token_string(sampled_id)))
+            else:
+                kept = cands if top_limit is None else cands[:top_limit]
+                tops = [self._entry(t, lp) for t, lp, _ in kept]
+                head = self._entry(sampled_id, cands[0][1])
+                out.append(
+                    ChatCompletionLogProbsContent(
+                        token=head.token, logprob=head.logprob, bytes=head.bytes, top_logprobs=tops
+                    )
+                )
+            self.context = (self.context + [sampled_id])[-REPAIR_CONTEXT:]
+        return out
+
+
+def chat_top_limit(logprobs: int | None) -> int | None:
+    """Chat's cut: the first k candidates (sampled first); None keeps all (-1 = whole vocab)."""
+    if logprobs is None or logprobs < 0:
+        return None
+    return logprobs
+
+
+def completion_logprobs(
+    content: Sequence[ChatCompletionLogProbsContent], text_offset: int = 0
+) -> CompletionLogProbs:
+    """Completions shape from decoded chat-shape entries (running ``text_offset``)."""
+    result = CompletionLogProbs()
+    for entry in content:
+        result.tokens.append(entry.token)
+        result.token_logprobs.append(entry.logprob)
+        result.top_logprobs.append({t.token: t.logprob for t in entry.top_logprobs} if entry.top_logprobs else None)
+        result.text_offset.append(text_offset)
+        text_offset += len(entry.token)
+    return result
+
+
+def prompt_logprob_dicts(
+    tokenizer: Tokenizer | None, positions: Sequence[PositionLogprobs | None]
+) -> list[dict[int, PromptLogprob] | None]:
+    out: list[dict[int, PromptLogprob] | None] = []
+    for position in positions:
+        if position is None:
+            out.append(None)
+            continue
+        out.append(
+            {
+                t: PromptLogprob(
+                    logprob=clamp_logprob(lp),
+                    rank=r or None,
+                    decoded_token=tokenizer.token_strings[t] if tokenizer and tokenizer.in_vocab(t) else None,
+                )
+                for t, lp, r in _candidates(position)
+            }
+        )
+    return out

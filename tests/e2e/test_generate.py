@@ -1,0 +1,277 @@
+"""Generate server e2e: real ``pdserve serve`` processes on loopback, scripted engine, Qwen3 tokenizer."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdserve.protocol.generate import generate_response_adapter, generate_stream_response_adapter
+from pdserve.text.tokenizer import Tokenizer
+from tests.serverproc import ServerProcess
+from tests.sse import stream_post
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+SCRIPTS = FIXTURES / "scripts.jsonl"
+PROMPT = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]
+EOS = 151645
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.load("qwen3")
+
+
+@pytest.fixture(scope="module")
+def script_texts() -> list[str]:
+    return [json.loads(line)["text"] for line in SCRIPTS.read_text().splitlines() if line.strip()]
+
+
+def scripted(*extra: str, **kw) -> ServerProcess:  # type: ignore[no-untyped-def]
+    return ServerProcess("serve", "--engine", "scripted", "--tokenizer", "qwen3", "--script", str(SCRIPTS), *extra, **kw)
+
+
+@pytest.fixture(scope="module", params=[1, 2, 7], ids=lambda k: f"{k}-per-step")
+def server(request):  # type: ignore[no-untyped-def]
+    with scripted("--tokens-per-step", str(request.param)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def slow_server():  # type: ignore[no-untyped-def]
+    with scripted("--step-ms", "40", "--max-num-seqs", "4") as srv:
+        yield srv
+
+
+def gen(srv: ServerProcess, body: dict, status: int = 200) -> dict:
+    r = httpx.post(srv.url + "/inference/v1/generate", json=body, headers=srv.headers, timeout=60)
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+def body(mode: str = "text", script: int | None = None, **sampling) -> dict:  # type: ignore[no-untyped-def]
+    if script is not None:
+        sampling["extra_args"] = {"script_index": script}
+    return {"token_ids": PROMPT, "output_mode": mode, "sampling_params": sampling}
+
+
+def test_text_is_decode_of_token_ids(server, tok, script_texts) -> None:  # type: ignore[no-untyped-def]
+    seen = set()
+    for _ in script_texts:
+        res = gen(server, body())  # round-robin over the scripts
+        choice = res["choices"][0]
+        assert res["output_mode"] == "text"
+        ids = choice["token_ids"]
+        assert choice["finish_reason"] == "stop" and choice["stop_reason"] is None
+        assert ids[-1] == EOS, "a script ends with EOS, which stays in token_ids"
+        assert choice["text"] == tok.decode(ids[:-1], skip_special_tokens=True)
+        seen.add(choice["text"])
+        generate_response_adapter.validate_python(res)
+    assert seen == set(script_texts), "round-robin covers every script, multi-byte text intact"
+
+
+def test_stream_deltas_concatenate_to_batch(server, script_texts) -> None:  # type: ignore[no-untyped-def]
+    for i, expected in enumerate(script_texts):
+        batch = gen(server, body(script=i))["choices"][0]
+        assert batch["text"] == expected
+        events, done = stream_post(server.url + "/inference/v1/generate", {**body(script=i), "stream": True})
+        assert done
+        for ev in events:
+            generate_stream_response_adapter.validate_python(ev)
+            assert ev["output_mode"] == "text" and len(ev["choices"]) == 1
+        text = "".join(ev["choices"][0]["text"] for ev in events)
+        ids = [i for ev in events for i in ev["choices"][0]["token_ids"]]
+        assert text == batch["text"]
+        assert ids == batch["token_ids"]
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+        assert all(ev["choices"][0]["finish_reason"] is None for ev in events[:-1])
+
+
+def test_tokens_mode_unchanged(server) -> None:  # type: ignore[no-untyped-def]
+    res = gen(server, {"token_ids": PROMPT, "sampling_params": {"max_tokens": 5, "logprobs": 2}})
+    assert res["output_mode"] == "tokens"
+    choice = res["choices"][0]
+    assert "text" not in choice and "message" not in choice
+    assert len(choice["token_ids"]) == 5 and choice["finish_reason"] == "length"
+    content = choice["logprobs"]["content"]
+    assert [c["token_id"] for c in content] == choice["token_ids"]
+    for c in content:
+        assert isinstance(c["token_id"], int)
+        assert c["top_logprobs"][0]["token_id"] == c["token_id"]
+        assert all(isinstance(t["token_id"], int) for t in c["top_logprobs"])
+    events, done = stream_post(server.url + "/inference/v1/generate", {"token_ids": PROMPT, "stream": True,
+                                                                       "sampling_params": {"max_tokens": 5}})
+    assert done and all("text" not in ev["choices"][0] for ev in events)
+    assert sum(len(ev["choices"][0]["token_ids"]) for ev in events) == 5
+
+
+def test_text_logprobs_are_decoded(server, tok) -> None:  # type: ignore[no-untyped-def]
+    res = gen(server, body(logprobs=3, max_tokens=40))
+    choice = res["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == len(choice["token_ids"])
+    # Byte-fallback pieces are repaired with context: the logprob tokens spell the text.
+    assert "".join(c["token"] for c in content) == tok.decode(choice["token_ids"], skip_special_tokens=False)
+    for c in content:
+        assert c["bytes"] == list(c["token"].encode())
+        assert c["top_logprobs"][0]["token"] == c["token"]
+
+
+def test_stop_strings(server, tok) -> None:  # type: ignore[no-untyped-def]
+    for include in (False, True):
+        res = gen(server, body(script=0, stop=["periods", "commas"], include_stop_str_in_output=include))
+        choice = res["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["stop_reason"] == "commas"
+        head = "Hello there! This is a plain English answer, with punctuation: "
+        assert choice["text"] == head + ("commas" if include else "")
+        decoded = tok.decode(choice["token_ids"])
+        # token_ids keep every generated id up to the one that completed the stop string.
+        assert decoded.startswith(head + "commas") and tok.decode(choice["token_ids"][:-1]).find("commas") < 0
+
+
+def test_streamed_stop_never_leaks(server) -> None:  # type: ignore[no-untyped-def]
+    events, done = stream_post(
+        server.url + "/inference/v1/generate", {**body(script=1, stop=["世界", "答："]), "stream": True}
+    )
+    last = events[-1]["choices"][0]
+    assert done and last["stop_reason"] == "答：" and last["finish_reason"] == "stop"
+    assert "".join(ev["choices"][0]["text"] for ev in events) == "中文回"
+    for ev in events:
+        assert "答" not in ev["choices"][0]["text"]
+
+
+def test_min_tokens_and_ignore_eos(server) -> None:  # type: ignore[no-untyped-def]
+    res = gen(server, body(max_tokens=300, min_tokens=250))
+    choice = res["choices"][0]
+    assert len(choice["token_ids"]) >= 250
+    res = gen(server, body(max_tokens=120, ignore_eos=True))
+    assert res["choices"][0]["finish_reason"] == "length" and len(res["choices"][0]["token_ids"]) == 120
+
+
+def test_n_choices(server, script_texts) -> None:  # type: ignore[no-untyped-def]
+    res = gen(server, body(script=2, n=2, max_tokens=4))
+    assert [c["index"] for c in res["choices"]] == [0, 1]
+    assert res["usage"]["completion_tokens"] == 8
+    events, done = stream_post(server.url + "/inference/v1/generate", {**body(script=2, n=3), "stream": True})
+    assert done and {ev["choices"][0]["index"] for ev in events} == {0, 1, 2}
+    for i in range(3):
+        mine = [ev["choices"][0] for ev in events if ev["choices"][0]["index"] == i]
+        assert "".join(c["text"] for c in mine) == script_texts[2]
+        assert mine[-1]["finish_reason"] == "stop"
+
+
+def test_stop_token_ids(server, tok) -> None:  # type: ignore[no-untyped-def]
+    probe = gen(server, body("tokens", script=0, max_tokens=3))
+    stop_id = probe["choices"][0]["token_ids"][2]
+    choice = gen(server, body(script=0, stop_token_ids=[stop_id]))["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop_id
+    assert choice["token_ids"] == probe["choices"][0]["token_ids"]
+    assert choice["text"] == tok.decode(choice["token_ids"][:2])
+
+
+def test_omitted_max_tokens_uses_model_room(server) -> None:  # type: ignore[no-untyped-def]
+    res = gen(server, body(ignore_eos=True))  # no max_tokens: runs to the model length, not 16
+    assert len(res["choices"][0]["token_ids"]) == 32768 - len(PROMPT)
+
+
+def metric(srv: ServerProcess, name: str) -> float:
+    text = httpx.get(srv.url + "/metrics", headers=srv.headers).text
+    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+def wait_metric_zero(srv: ServerProcess, name: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while metric(srv, name) != 0:
+        assert time.monotonic() < deadline, f"{name} did not return to 0"
+        time.sleep(0.05)
+
+
+def test_abort_mid_stream_gives_final_chunk(slow_server) -> None:  # type: ignore[no-untyped-def]
+    rid = "abort-me"
+    req = {**body(ignore_eos=True, max_tokens=2000, stop=["zzzzzzzz"]), "stream": True, "request_id": rid}
+    events: list = []
+    with httpx.stream("POST", slow_server.url + "/inference/v1/generate", json=req, timeout=30) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+            if len(events) == 3:
+                a = httpx.post(slow_server.url + "/abort_requests", json={"request_ids": ["generate-tokens-" + rid]})
+                assert a.status_code == 200 and a.text == ""
+                break
+        rest = [line for line in lines]
+    from tests.sse import parse_sse
+
+    more, done = parse_sse(rest)
+    events += more
+    assert done
+    final = events[-1]["choices"][0]
+    assert final["finish_reason"] == "abort"
+    text = "".join(ev["choices"][0]["text"] for ev in events)
+    ids = [i for ev in events for i in ev["choices"][0]["token_ids"]]
+    # The held-back text (7 chars for the stop string) was flushed on the terminal chunk.
+    assert text == Tokenizer.load("qwen3").decode(ids)
+    wait_metric_zero(slow_server, "pdserve_engine_running_requests")
+    wait_metric_zero(slow_server, "pdserve_running_requests")
+
+
+def test_client_disconnect_frees_engine(slow_server) -> None:  # type: ignore[no-untyped-def]
+    req = {**body(ignore_eos=True, max_tokens=2000), "stream": True}
+    with httpx.stream("POST", slow_server.url + "/inference/v1/generate", json=req, timeout=30) as r:
+        lines = r.iter_lines()  # keep the iterator: dropping it closes the connection
+        for line in lines:
+            if line.startswith("data: {"):
+                break
+        assert metric(slow_server, "pdserve_engine_running_requests") == 1
+    wait_metric_zero(slow_server, "pdserve_engine_running_requests")
+    wait_metric_zero(slow_server, "pdserve_running_requests")
+    # Non-streaming request whose client gives up.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(slow_server.url + "/inference/v1/generate", json={**req, "stream": False}, timeout=0.5)
+    wait_metric_zero(slow_server, "pdserve_engine_running_requests")
+
+
+def test_inference_abort_route_non_stream(slow_server) -> None:  # type: ignore[no-untyped-def]
+    rid = "batch-abort"
+    result: dict = {}
+
+    def run() -> None:
+        result["res"] = gen(slow_server, {**body(ignore_eos=True, max_tokens=2000), "request_id": rid})
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.5)
+    r = httpx.post(slow_server.url + "/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-" + rid]})
+    assert r.status_code == 200
+    t.join(10)
+    choice = result["res"]["choices"][0]
+    assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < 2000
+    assert metric(slow_server, 'pdserve_requests_total{endpoint="generate",output_mode="text",status="200"}') >= 1
+
+
+def test_usage_options(server) -> None:  # type: ignore[no-untyped-def]
+    req = {**body(max_tokens=9), "stream": True, "stream_options": {"include_usage": True,
+                                                                      "continuous_usage_stats": True}}
+    events, done = stream_post(server.url + "/inference/v1/generate", req)
+    assert done
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 9
+    running = [ev["usage"]["completion_tokens"] for ev in events[:-1]]
+    assert running == sorted(running) and running[-1] == 9
+
+
+def test_engine_error_mid_stream(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    script = tmp_path / "fail.jsonl"
+    script.write_text(json.dumps({"text": "one two three four five six", "fail_after": 3}) + "\n")
+    with ServerProcess("serve", "--engine", "scripted", "--tokenizer", "qwen3", "--script", str(script)) as srv:
+        events, done = stream_post(srv.url + "/inference/v1/generate", {**body(), "stream": True})
+        assert done and "error" in events[-1] and "scripted failure" in events[-1]["error"]["message"]
+        r = httpx.post(srv.url + "/inference/v1/generate", json=body(), timeout=10)
+        assert r.status_code == 500 and "scripted failure" in r.json()["error"]["message"]
+        wait_metric_zero(srv, "pdserve_running_requests")
