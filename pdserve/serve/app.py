@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.engine.api import Engine, EngineDeadError, EngineError
@@ -62,8 +62,9 @@ def _format_validation_error(err: ValidationError | RequestValidationError) -> s
     return "; ".join(parts) or "invalid request"
 
 
-async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
-    """Read a JSON body into ``model``; every failure is a 400 that says what was wrong."""
+async def parse_body(request: Request, model: type[ModelT] | TypeAdapter[Any]) -> Any:
+    """Read a JSON body into ``model`` (a model class or a TypeAdapter of a union); every failure
+    is a 400 that says what was wrong."""
     state = app_state(request)
     content_type = request.headers.get("content-type", "")
     if content_type.split(";")[0].strip().lower() != "application/json":
@@ -82,6 +83,8 @@ async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
     if not isinstance(data, dict):
         raise RequestError("request body must be a JSON object")
     try:
+        if isinstance(model, TypeAdapter):
+            return model.validate_python(data)
         return model.model_validate(data)
     except ValidationError as e:
         raise RequestError(_format_validation_error(e)) from None
@@ -133,7 +136,7 @@ def create_app(
     config: ServerConfig, engine: Engine | None, tokenizer: Tokenizer | None, *, owns_engine: bool = True
 ) -> FastAPI:
     """Build the app. With ``owns_engine`` the app starts and stops the engine in its lifespan."""
-    from pdserve.serve.routes import admin, generate
+    from pdserve.serve.routes import admin, derender, generate, openai
 
     metrics = Metrics(engine.stats if engine is not None else None)
     state = AppState(config=config, engine=engine, tokenizer=tokenizer, metrics=metrics)
@@ -156,4 +159,9 @@ def create_app(
     app.include_router(admin.router)
     if engine is not None:
         app.include_router(generate.router)
+    if tokenizer is not None:
+        app.include_router(openai.render_router)
+        app.include_router(derender.router)
+        if engine is not None:
+            app.include_router(openai.coupled_router)
     return app

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from pdserve.output.request_state import ChoiceParser
 from pdserve.protocol.generate import GenerateRequest
@@ -19,14 +19,21 @@ def parser_context(req: GenerateRequest) -> ChatCompletionRequest | None:
     return None
 
 
-def chat_parser_factory(state: AppState, req: GenerateRequest) -> Callable[[], ChoiceParser] | None:
+def parsers_configured(state: AppState) -> bool:
+    return state.parser_config is not None and state.parser_config.configured and state.tokenizer is not None
+
+
+def make_parser_factory(
+    state: AppState, context: ChatCompletionRequest | None, prompt_token_ids: Sequence[int]
+) -> Callable[[], ChoiceParser] | None:
     """A factory of per-choice parsers, or None when plain text goes into ``message.content``."""
-    config = state.parser_config
-    if config is None or not config.configured or state.tokenizer is None:
+    if not parsers_configured(state):
         return None
     from pdserve.parsers import ChatParser
 
-    context = parser_context(req)
-    tokenizer = state.tokenizer
-    prompt = req.token_ids
-    return lambda: ChatParser(config, tokenizer, context, prompt)
+    config, tokenizer = state.parser_config, state.tokenizer
+    return lambda: ChatParser(config, tokenizer, context, prompt_token_ids)
+
+
+def chat_parser_factory(state: AppState, req: GenerateRequest) -> Callable[[], ChoiceParser] | None:
+    return make_parser_factory(state, parser_context(req), req.token_ids)

@@ -16,6 +16,8 @@ from pdserve.output.request_state import OutputConfig, RequestState
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import AbortRequest, GenerateRequest
 from pdserve.serve.app import AppState, app_state, error_event, parse_body
+from pdserve.serve.parsing import chat_parser_factory
+from pdserve.serve.running import ClientGone, run_batch
 from pdserve.serve.sse import DONE, sse_event
 from pdserve.serve.validation import resolve_max_tokens, validate_generate
 from pdserve.text.detokenizer import StopConfig
@@ -49,15 +51,17 @@ def engine_request(req: GenerateRequest, request_id: str, max_tokens: int) -> En
     )
 
 
-def output_config(state: AppState, req: GenerateRequest) -> OutputConfig:
+def output_config(state: AppState, req: GenerateRequest, completions_cut: bool = False) -> OutputConfig:
+    """Postprocessing for one request. Candidate cuts: chat keeps k (sampled counted first),
+    completions keep k+1, generate ``text`` keeps every candidate the engine returned."""
     sp = req.sampling_params
     parser_factory = None
     top_limit = None
     if req.output_mode == "derender":
-        from pdserve.serve.parsing import chat_parser_factory
-
         parser_factory = chat_parser_factory(state, req)
         top_limit = None if sp.logprobs is None else max(sp.logprobs, 0)
+    elif completions_cut and sp.logprobs is not None:
+        top_limit = sp.logprobs + 1
     skip_special = sp.skip_special_tokens
     if parser_factory is not None and state.parser_config is not None and state.parser_config.configured:
         skip_special = False  # parsers need their markup tokens (vLLM's adjust_request does the same)
@@ -74,11 +78,13 @@ def output_config(state: AppState, req: GenerateRequest) -> OutputConfig:
     )
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+def prepare(
+    state: AppState, req: GenerateRequest, request_id: str, completions_cut: bool = False
+) -> tuple[EngineRequest, RequestState]:
+    """The engine request and its request-scoped output state (call after validation)."""
+    max_tokens = resolve_max_tokens(state.require_engine().info.max_model_len, req)
+    rstate = RequestState(request_id, req.sampling_params.n, output_config(state, req, completions_cut))
+    return engine_request(req, request_id, max_tokens), rstate
 
 
 @router.post("/inference/v1/generate")
@@ -88,15 +94,12 @@ async def generate(request: Request) -> Response:
     try:
         req = await parse_body(request, GenerateRequest)
         mode = req.output_mode
-        engine = state.require_engine()
         validate_generate(state, req)
     except RequestError as e:
         state.metrics.requests.labels("generate", mode, str(e.status)).inc()
         raise
     request_id = "generate-tokens-" + (request.headers.get("x-request-id") or req.request_id)
-    max_tokens = resolve_max_tokens(engine.info.max_model_len, req)
-    rstate = RequestState(request_id, req.sampling_params.n, output_config(state, req))
-    ereq = engine_request(req, request_id, max_tokens)
+    ereq, rstate = prepare(state, req, request_id)
     base = {
         "request_id": request_id,
         "model": state.model_name,
@@ -110,35 +113,21 @@ async def generate(request: Request) -> Response:
 async def _batch(
     request: Request, state: AppState, req: GenerateRequest, ereq: EngineRequest, rstate: RequestState, base: dict
 ) -> Response:
-    engine = state.require_engine()
-
-    async def collect() -> None:
-        async for update in drive(engine, ereq, rstate):
-            state.metrics.tokens_out.inc(len(update.token_ids))
-
     state.metrics.running.inc()
     status = "200"
-    work = asyncio.ensure_future(collect())
-    gone = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            status = "499"  # the client left; cancelling drive() aborts the engine request
-            return Response(status_code=499)
-        try:
-            work.result()
-        except EngineError:
-            status = "500"
-            raise
+        await run_batch(request, state, [(ereq, rstate)])
         if rstate.prompt_logprobs is not None:
             base["prompt_logprobs"] = prompt_logprob_dicts(state.tokenizer, rstate.prompt_logprobs)
         base["kv_transfer_params"] = rstate.kv_transfer_params
         return JSONResponse(batch_response(rstate, base).model_dump(mode="json"))
+    except ClientGone:
+        status = "499"
+        return Response(status_code=499)
+    except EngineError:
+        status = "500"
+        raise
     finally:
-        gone.cancel()
-        if not work.done():
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
         state.metrics.running.dec()
         state.metrics.requests.labels("generate", req.output_mode, status).inc()
 

@@ -1,0 +1,100 @@
+"""Stateless ``/derender`` wire types (batch and client-carried streaming state)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Discriminator, Field, Tag, TypeAdapter
+
+from pdserve.protocol.generate import GenerateTokensResponse, GenerateTokensStreamResponse
+from pdserve.protocol.openai import (
+    ChatCompletionRequest,
+    ChatCompletionStreamResponse,
+    CompletionRequest,
+    CompletionStreamResponse,
+)
+
+
+class DerenderChatRequest(BaseModel):
+    stream: Literal[False] = False
+    model: str | None = None
+    generate_response: GenerateTokensResponse
+    prompt_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
+    chat_request: ChatCompletionRequest | None = None
+
+
+class DerenderCompletionRequest(BaseModel):
+    stream: Literal[False] = False
+    model: str | None = None
+    generate_responses: list[GenerateTokensResponse] = Field(min_length=1)
+    prompt_tokens: list[int] | None = None
+    prompt_token_ids: list[list[int] | None] | None = None
+    completion_request: CompletionRequest | None = None
+
+
+class DerenderStreamState(BaseModel):
+    """Everything a stateless server needs to continue a stream; the client echoes it verbatim.
+
+    The parsed path replays ``output_token_ids`` in the original chunks
+    (``output_chunk_lens``) into a fresh parser; the plain path replays only the
+    last few ids, enough to rebuild an incomplete multi-byte character.
+    """
+
+    role_sent: bool = False
+    logprob_context_token_ids: list[int] = Field(default_factory=list, max_length=4)
+    logprob_text_offset: int = Field(0, ge=0)
+    output_token_ids: list[int] = Field(default_factory=list)
+    output_chunk_lens: list[int] = Field(default_factory=list)
+    tools_streamed: bool = False
+    last_tool_call_ids: list[str] = Field(default_factory=list)
+
+
+class DerenderChatStreamRequest(BaseModel):
+    stream: Literal[True]
+    model: str | None = None
+    generate_chunk: GenerateTokensStreamResponse
+    stream_state: DerenderStreamState | None = None
+    prompt_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
+    chat_request: ChatCompletionRequest | None = None
+
+
+class DerenderCompletionStreamRequest(BaseModel):
+    stream: Literal[True]
+    model: str | None = None
+    generate_chunk: GenerateTokensStreamResponse
+    stream_state: DerenderStreamState | None = None
+    prompt_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
+    completion_request: CompletionRequest | None = None
+
+
+class DerenderChatStreamResponse(BaseModel):
+    chunk: ChatCompletionStreamResponse
+    stream_state: DerenderStreamState
+
+
+class DerenderCompletionStreamResponse(BaseModel):
+    chunk: CompletionStreamResponse
+    stream_state: DerenderStreamState
+
+
+def _stream_tag(value: Any) -> str:
+    if isinstance(value, dict):
+        return "stream" if value.get("stream") is True else "batch"
+    return "stream" if getattr(value, "stream", False) else "batch"
+
+
+chat_derender_adapter: TypeAdapter[Any] = TypeAdapter(
+    Annotated[
+        Annotated[DerenderChatRequest, Tag("batch")] | Annotated[DerenderChatStreamRequest, Tag("stream")],
+        Discriminator(_stream_tag),
+    ]
+)
+completion_derender_adapter: TypeAdapter[Any] = TypeAdapter(
+    Annotated[
+        Annotated[DerenderCompletionRequest, Tag("batch")] | Annotated[DerenderCompletionStreamRequest, Tag("stream")],
+        Discriminator(_stream_tag),
+    ]
+)

@@ -1,0 +1,177 @@
+"""Render endpoints and the coupled OpenAI endpoints (render + generate + postprocess in one call)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.engine.api import EngineError
+from pdserve.output.generate_builders import usage_of
+from pdserve.output.openai_builders import (
+    chat_chunk,
+    chat_response,
+    chat_role_chunk,
+    completion_chunk,
+    completion_response,
+)
+from pdserve.protocol.errors import RequestError
+from pdserve.protocol.generate import GenerateRequest
+from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest
+from pdserve.serve.app import AppState, app_state, error_event, parse_body
+from pdserve.serve.render import render_chat, render_completion
+from pdserve.serve.routes.generate import prepare
+from pdserve.serve.running import ClientGone, Prepared, merged_updates, run_batch
+from pdserve.serve.sse import DONE, sse_event
+from pdserve.serve.validation import validate_generate
+
+render_router = APIRouter()
+coupled_router = APIRouter()
+
+
+def rendered_json(req: GenerateRequest) -> dict[str, Any]:
+    """A GenerateRequest as /render returns it: sampling_params carry only what was set."""
+    body = req.model_dump(mode="json", exclude={"chat_request"})
+    body["sampling_params"] = req.sampling_params.model_dump(mode="json", exclude_unset=True)
+    return body
+
+
+@render_router.post("/v1/chat/completions/render")
+async def chat_render(request: Request) -> JSONResponse:
+    state = app_state(request)
+    chat = await parse_body(request, ChatCompletionRequest)
+    return JSONResponse(rendered_json(render_chat(state, chat, request.headers.get("x-request-id"))))
+
+
+@render_router.post("/v1/completions/render")
+async def completion_render(request: Request) -> JSONResponse:
+    state = app_state(request)
+    req = await parse_body(request, CompletionRequest)
+    rendered = render_completion(state, req, request.headers.get("x-request-id"))
+    return JSONResponse([rendered_json(r) for r in rendered])
+
+
+def _check_model(state: AppState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise RequestError(
+            f"model {model!r} is not served here; this server serves {state.model_name!r}",
+            param="model", status=404, kind="NotFoundError",
+        )
+
+
+async def _finish_batch(request: Request, state: AppState, endpoint: str, prepared: list[Prepared], build) -> Response:  # type: ignore[no-untyped-def]
+    state.metrics.running.inc()
+    status = "200"
+    try:
+        await run_batch(request, state, prepared)
+        return JSONResponse(build().model_dump(mode="json"))
+    except ClientGone:
+        status = "499"
+        return Response(status_code=499)
+    except EngineError:
+        status = "500"
+        raise
+    finally:
+        state.metrics.running.dec()
+        state.metrics.requests.labels(endpoint, "-", status).inc()
+
+
+@coupled_router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = app_state(request)
+    chat = await parse_body(request, ChatCompletionRequest)
+    _check_model(state, chat.model)
+    gen = render_chat(state, chat, request.headers.get("x-request-id"))
+    gen.output_mode = "derender"
+    validate_generate(state, gen)
+    response_id = gen.request_id
+    prepared = [prepare(state, gen, response_id)]
+    return_ids = bool(chat.return_token_ids)
+    rstate = prepared[0][1]
+    if not chat.stream:
+        return await _finish_batch(
+            request, state, "chat", prepared, lambda: chat_response(rstate, response_id, state.model_name, return_ids)
+        )
+    include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
+    continuous = include_usage and bool(chat.stream_options and chat.stream_options.continuous_usage_stats)
+
+    async def events() -> AsyncIterator[str]:
+        model = state.model_name
+        prompt_len = len(gen.token_ids)
+        state.metrics.running.inc()
+        try:
+            for i in range(len(rstate.choices)):
+                yield sse_event(chat_role_chunk(response_id, model, i))
+            async for _, update in merged_updates(state, prepared):
+                state.metrics.tokens_out.inc(len(update.token_ids))
+                no_delta = update.delta is None or update.delta.is_empty()
+                if no_delta and not update.finished and not (return_ids and update.token_ids):
+                    continue
+                usage = usage_of(prompt_len, len(rstate.choices[update.index].token_ids)) if continuous else None
+                yield sse_event(chat_chunk(rstate, update, response_id, model, return_ids, usage))
+            if include_usage:
+                usage_chunk = {"id": response_id, "object": "chat.completion.chunk", "model": model, "choices": [],
+                               "usage": usage_of(prompt_len, rstate.completion_tokens).model_dump(exclude_none=True)}
+                yield sse_event(usage_chunk)
+        except EngineError as e:
+            yield sse_event(error_event(f"engine error: {e}", 500, "InternalServerError"))
+        finally:
+            state.metrics.running.dec()
+            state.metrics.requests.labels("chat", "-", "200").inc()
+        yield DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@coupled_router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    state = app_state(request)
+    req = await parse_body(request, CompletionRequest)
+    _check_model(state, req.model)
+    gens = render_completion(state, req, request.headers.get("x-request-id"))
+    for gen in gens:
+        gen.output_mode = "text"
+        validate_generate(state, gen)
+    response_id = gens[0].request_id.removesuffix("-0")
+    prepared = [prepare(state, gen, gen.request_id, completions_cut=True) for gen in gens]
+    states = [r for _, r in prepared]
+    return_ids = bool(req.return_token_ids)
+    if not req.stream:
+        return await _finish_batch(
+            request, state, "completions", prepared,
+            lambda: completion_response(states, response_id, state.model_name, return_ids),
+        )
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    # Choice indexes run across prompts: prompt k's choice i is k * n + i.
+    n = req.n
+
+    async def events() -> AsyncIterator[str]:
+        model = state.model_name
+        offsets: dict[int, int] = {}
+        state.metrics.running.inc()
+        try:
+            async for k, update in merged_updates(state, prepared):
+                state.metrics.tokens_out.inc(len(update.token_ids))
+                if not update.text and not update.finished and not update.token_ids:
+                    continue
+                index = k * n + update.index
+                offset = offsets.get(index, 0)
+                yield sse_event(
+                    completion_chunk(states[k], update, index, offset, response_id, model, return_ids, None)
+                )
+                offsets[index] = offset + len(update.text)
+            if include_usage:
+                prompt_tokens = sum(len(s.config.prompt_token_ids) for s in states)
+                usage = usage_of(prompt_tokens, sum(s.completion_tokens for s in states))
+                yield sse_event({"id": response_id, "object": "text_completion", "model": model, "choices": [],
+                                 "usage": usage.model_dump(exclude_none=True)})
+        except EngineError as e:
+            yield sse_event(error_event(f"engine error: {e}", 500, "InternalServerError"))
+        finally:
+            state.metrics.running.dec()
+            state.metrics.requests.labels("completions", "-", "200").inc()
+        yield DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream")

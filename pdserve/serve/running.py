@@ -1,0 +1,88 @@
+"""Run prepared requests for an HTTP handler: to completion (batch) or as merged update streams.
+
+Both paths tie the engine requests to the client connection: a client that
+goes away cancels the drivers, whose cleanup aborts the engine requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import Request
+
+from pdserve.engine.api import EngineRequest
+from pdserve.output.driver import drive
+from pdserve.output.request_state import ChoiceUpdate, RequestState
+from pdserve.serve.app import AppState
+
+Prepared = tuple[EngineRequest, RequestState]
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was ready."""
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_batch(request: Request, state: AppState, prepared: Sequence[Prepared]) -> None:
+    """Run every request to the end; raises ClientGone (after aborting) if the client leaves."""
+    engine = state.require_engine()
+
+    async def collect(ereq: EngineRequest, rstate: RequestState) -> None:
+        async for update in drive(engine, ereq, rstate):
+            state.metrics.tokens_out.inc(len(update.token_ids))
+
+    work = asyncio.ensure_future(asyncio.gather(*(collect(e, r) for e, r in prepared)))
+    gone = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            raise ClientGone()
+        work.result()
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+
+
+async def merged_updates(state: AppState, prepared: Sequence[Prepared]) -> AsyncIterator[tuple[int, ChoiceUpdate]]:
+    """Updates of several requests as they come, tagged with the request's position."""
+    engine = state.require_engine()
+    if len(prepared) == 1:
+        ereq, rstate = prepared[0]
+        async for update in drive(engine, ereq, rstate):
+            yield 0, update
+        return
+    queue: asyncio.Queue[tuple[int, ChoiceUpdate] | BaseException | None] = asyncio.Queue()
+
+    async def pump(k: int, ereq: EngineRequest, rstate: RequestState) -> None:
+        try:
+            async for update in drive(engine, ereq, rstate):
+                await queue.put((k, update))
+        except Exception as e:  # surfaced to the consumer below
+            await queue.put(e)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(k, e, r)) for k, (e, r) in enumerate(prepared)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
