@@ -33,7 +33,7 @@ def usage_of(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
 
 
 def _tokens_logprobs(choice: ChoiceState, want: bool) -> GenerateLogProbs | None:
-    return GenerateLogProbs(content=to_generate_logprobs(choice.logprobs)) if want else None
+    return GenerateLogProbs(content=to_generate_logprobs(choice.logprobs, choice.token_ids)) if want else None
 
 
 def _chat_logprobs(choice: ChoiceState, want: bool) -> ChatCompletionLogProbs | None:
@@ -98,7 +98,7 @@ def stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageInfo | N
     if cfg.mode == "tokens":
         logprobs = None
         if cfg.want_logprobs and update.logprobs is not None:
-            logprobs = GenerateLogProbs(content=to_generate_logprobs(update.logprobs))
+            logprobs = GenerateLogProbs(content=to_generate_logprobs(update.logprobs, update.token_ids))
         chunk: Any = GenerateTokensStreamResponse(
             request_id=state.request_id, usage=usage, choices=[GenerateTokensStreamChoice(logprobs=logprobs, **fields)]
         )

@@ -58,12 +58,14 @@ def chat_role_chunk(response_id: str, model: str, index: int) -> dict:
 
 def chat_chunk(
     rstate: RequestState, update: ChoiceUpdate, response_id: str, model: str, return_token_ids: bool,
-    usage: UsageInfo | None,
+    usage: UsageInfo | None, force_logprobs: bool = False,
 ) -> dict:
+    """One chat chunk; ``force_logprobs``: the caller decoded ``update.decoded_logprobs`` itself."""
     parser = rstate.choices[update.index].parser
     hide = parser is not None and parser.hide_metadata
     logprobs = None
-    if rstate.config.want_logprobs and update.decoded_logprobs is not None and not hide:
+    wanted = rstate.config.want_logprobs or force_logprobs
+    if wanted and update.decoded_logprobs is not None and not hide:
         logprobs = ChatCompletionLogProbs(content=update.decoded_logprobs)
     choice = ChatCompletionResponseStreamChoice(
         index=update.index,
@@ -110,7 +112,7 @@ def completion_chunk(
     return_token_ids: bool, usage: UsageInfo | None,
 ) -> dict:
     logprobs = None
-    if rstate.config.want_logprobs and update.decoded_logprobs is not None:
+    if update.decoded_logprobs is not None:
         logprobs = completion_logprobs(update.decoded_logprobs, text_offset)
     choice = CompletionResponseChoice(
         index=index,

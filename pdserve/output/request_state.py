@@ -26,7 +26,8 @@ OutputMode = Literal["tokens", "text", "derender"]
 class ChoiceParser(Protocol):
     """What the output layer needs from a per-choice chat parser (pdserve.parsers.ChatParser)."""
 
-    hide_metadata: bool
+    @property
+    def hide_metadata(self) -> bool: ...
 
     def step(
         self, delta_text: str, delta_ids: Sequence[int], finish_reason: str | None
@@ -58,7 +59,7 @@ class ChoiceUpdate:
 
     index: int
     token_ids: list[int]
-    logprobs: list[PositionLogprobs] | None
+    logprobs: list[PositionLogprobs | None] | None
     text: str = ""
     delta: DeltaMessage | None = None
     decoded_logprobs: list[ChatCompletionLogProbsContent] | None = None
@@ -81,7 +82,7 @@ class ChoiceState:
     index: int
     config: OutputConfig
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     decoded_logprobs: list[ChatCompletionLogProbsContent] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -131,20 +132,23 @@ class ChoiceState:
         else:
             accepted = list(out.new_token_ids)
         self.token_ids.extend(accepted)
-        if out.new_logprobs is not None:
-            self.logprobs.extend(out.new_logprobs[: len(accepted)])
+        if self.config.want_logprobs:
+            # Keep positions aligned with token_ids; an output without logprobs (a replayed
+            # chunk, an abort) leaves empty positions, reported with the floor logprob.
+            given = list(out.new_logprobs or [])[: len(accepted)]
+            self.logprobs.extend(given + [None] * (len(accepted) - len(given)))
         self.finish_reason, self.stop_reason = finish, stop_reason
 
         if self.config.mode == "tokens" or self.detok is None:
             self._released = len(self.token_ids)
-            new_logprobs = self.logprobs[before:] if out.new_logprobs is not None else None
+            new_logprobs = self.logprobs[before:] if self.config.want_logprobs else None
             return ChoiceUpdate(self.index, accepted, new_logprobs, finish_reason=finish, stop_reason=stop_reason)
 
         released = self.detok.release(self.finished)
         start, self._released = self._released, self._released + released.num_ids
         ids = self.token_ids[start : self._released]
         update = ChoiceUpdate(self.index, ids, None, text=released.text, finish_reason=finish, stop_reason=stop_reason)
-        if self._logprob_decoder is not None and self.logprobs:
+        if self._logprob_decoder is not None:
             update.logprobs = self.logprobs[start : self._released]
             update.decoded_logprobs = self._logprob_decoder.chat_content(
                 update.logprobs, ids, self.config.top_logprobs_limit

@@ -192,6 +192,8 @@ class ChatCompletionRequest(OpenAIModel):
     return_token_ids: bool | None = None
     request_id: str = Field(default_factory=random_hex)
     kv_transfer_params: dict[str, Any] | None = None
+    # Engine-specific knobs, forwarded as sampling_params.extra_args (vLLM's name).
+    vllm_xargs: dict[str, Any] | None = None
     priority: int = 0
     cache_salt: str | None = None
 
@@ -230,6 +232,7 @@ class CompletionRequest(OpenAIModel):
     return_token_ids: bool | None = None
     request_id: str = Field(default_factory=random_hex)
     kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
     priority: int = 0
 
 

@@ -121,6 +121,7 @@ def render_chat(state: AppState, chat: ChatCompletionRequest, request_id: str | 
             skip_special_tokens=skip_special,
             spaces_between_special_tokens=chat.spaces_between_special_tokens,
             include_stop_str_in_output=chat.include_stop_str_in_output or None,
+            extra_args=chat.vllm_xargs,
         )
     )
     parsers = state.parser_config
@@ -193,6 +194,7 @@ def render_completion(state: AppState, req: CompletionRequest, request_id: str |
                 skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output or None,
+                extra_args=req.vllm_xargs,
             )
         )
         out.append(

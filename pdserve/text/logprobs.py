@@ -40,10 +40,18 @@ def _candidates(position: PositionLogprobs) -> list[tuple[int, float, int]]:
     return out
 
 
-def to_generate_logprobs(positions: Sequence[PositionLogprobs]) -> list[GenerateLogProbsContent]:
-    """The ``tokens`` level: int ids, every engine candidate kept (sampled first)."""
+def to_generate_logprobs(
+    positions: Sequence[PositionLogprobs | None], sampled_ids: Sequence[int]
+) -> list[GenerateLogProbsContent]:
+    """The ``tokens`` level: int ids, every engine candidate kept (sampled first).
+
+    A position the engine gave no logprobs for gets the floor value, as vLLM reports it.
+    """
     content = []
-    for position in positions:
+    for position, sampled_id in zip(positions, sampled_ids):
+        if position is None:
+            content.append(GenerateLogProbsContent(token_id=sampled_id, logprob=LOGPROB_FLOOR))
+            continue
         cands = _candidates(position)
         tops = [GenerateLogProb(token_id=t, logprob=clamp_logprob(lp), rank=r or None) for t, lp, r in cands]
         sampled = tops[0]
@@ -94,12 +102,12 @@ class LogprobDecoder:
         return ChatCompletionLogProb(token=token, logprob=clamp_logprob(logprob), bytes=list(token.encode("utf-8")))
 
     def chat_content(
-        self, positions: Sequence[PositionLogprobs], sampled_ids: Sequence[int], top_limit: int | None
+        self, positions: Sequence[PositionLogprobs | None], sampled_ids: Sequence[int], top_limit: int | None
     ) -> list[ChatCompletionLogProbsContent]:
         """OpenAI chat shape; ``top_limit`` cuts the candidate list (sampled counted first)."""
         out = []
         for position, sampled_id in zip(positions, sampled_ids):
-            cands = _candidates(position)
+            cands = _candidates(position) if position is not None else []
             if not cands or cands[0][0] != sampled_id:
                 out.append(ChatCompletionLogProbsContent(token=self.token_string(sampled_id)))
             else:

@@ -30,6 +30,7 @@ from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import GenerateLogProbs, GenerateTokensChoice, GenerateTokensStreamChoice
 from pdserve.protocol.openai import (
     ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -40,6 +41,7 @@ from pdserve.serve.app import AppState, app_state, parse_body
 from pdserve.serve.parsing import make_parser_factory, parsers_configured
 from pdserve.serve.render import require_tokenizer
 from pdserve.text.detokenizer import StopConfig
+from pdserve.text.logprobs import LogprobDecoder
 
 router = APIRouter()
 
@@ -200,6 +202,13 @@ def _replayed_choice(
     return cs
 
 
+def _chunk_logprobs(
+    state: AppState, previous: DerenderStreamState, choice: GenerateTokensStreamChoice, top_limit: int | None
+) -> list[ChatCompletionLogProbsContent]:
+    decoder = LogprobDecoder(state.tokenizer, previous.logprob_context_token_ids)  # type: ignore[arg-type]
+    return decoder.chat_content(positions_of(choice.logprobs) or [], choice.token_ids or [], top_limit)
+
+
 def _next_state(previous: DerenderStreamState, delta_ids: list[int], parsed: bool) -> DerenderStreamState:
     new = previous.model_copy(deep=True)
     new.role_sent = True
@@ -241,7 +250,9 @@ def _chat_derender_stream(req: DerenderChatStreamRequest, state: AppState) -> JS
     delta_ids = choice.token_ids or []
     if len(prompt_ids) + len(previous.output_token_ids) + len(delta_ids) > _max_len(state) and parsed:
         raise RequestError("stream_state plus this chunk is longer than the model length")
-    config = _chat_config(state, chat, prompt_ids, StopConfig(), True, choice.logprobs is not None)
+    # Logprobs belong to this chunk's own ids (not to the text it happens to release), so they are
+    # decoded here with the carried context rather than by the replayed choice.
+    config = _chat_config(state, chat, prompt_ids, StopConfig(), True, False)
     try:
         cs = _replayed_choice(config, previous, parsed, choice.index, gchunk.request_id)
         rstate = RequestState(gchunk.request_id, choice.index + 1, config)
@@ -270,8 +281,12 @@ def _chat_derender_stream(req: DerenderChatStreamRequest, state: AppState) -> JS
         if not previous.role_sent:
             update.delta.role = "assistant"
     update.token_ids = delta_ids
+    hide = cs.parser is not None and cs.parser.hide_metadata
+    if choice.logprobs is not None and not hide:
+        top_limit = chat.top_logprobs if chat is not None and chat.logprobs else None
+        update.decoded_logprobs = _chunk_logprobs(state, previous, choice, top_limit)
     return_ids = bool(chat and chat.return_token_ids)
-    chunk = chat_chunk(rstate, update, gchunk.request_id, model, return_ids, usage)
+    chunk = chat_chunk(rstate, update, gchunk.request_id, model, return_ids, usage, force_logprobs=True)
     return JSONResponse({"chunk": chunk, "stream_state": new_state.model_dump()})
 
 
@@ -323,7 +338,7 @@ def _completion_derender_stream(req: DerenderCompletionStreamRequest, state: App
                  "usage": gchunk.usage.model_dump() if gchunk.usage else None}
         return JSONResponse({"chunk": empty, "stream_state": previous.model_dump()})
     delta_ids = choice.token_ids or []
-    config = _completion_config(state, creq, prompt_ids, StopConfig(), choice.logprobs is not None)
+    config = _completion_config(state, creq, prompt_ids, StopConfig(), False)
     try:
         cs = _replayed_choice(config, previous, False, choice.index, gchunk.request_id)
         update = cs.add(EngineOutput(
@@ -337,6 +352,10 @@ def _completion_derender_stream(req: DerenderCompletionStreamRequest, state: App
         raise RequestError("invalid stream_state: this choice already finished")
     new_state = _next_state(previous, delta_ids, False)
     update.token_ids = delta_ids
+    update.decoded_logprobs = None
+    if choice.logprobs is not None:
+        top_limit = None if creq is None or creq.logprobs is None else creq.logprobs + 1
+        update.decoded_logprobs = _chunk_logprobs(state, previous, choice, top_limit)
     rstate = RequestState(gchunk.request_id, choice.index + 1, config)
     rstate.choices[choice.index] = cs
     return_ids = bool(creq and creq.return_token_ids)

@@ -107,7 +107,10 @@ async def chat_completions(request: Request) -> Response:
             async for _, update in merged_updates(state, prepared):
                 state.metrics.tokens_out.inc(len(update.token_ids))
                 no_delta = update.delta is None or update.delta.is_empty()
-                if no_delta and not update.finished and not (return_ids and update.token_ids):
+                # A step whose text the parser holds back still carries its logprobs/ids: send it.
+                if no_delta and not update.finished and not update.decoded_logprobs and not (
+                    return_ids and update.token_ids
+                ):
                     continue
                 usage = usage_of(prompt_len, len(rstate.choices[update.index].token_ids)) if continuous else None
                 yield sse_event(chat_chunk(rstate, update, response_id, model, return_ids, usage))

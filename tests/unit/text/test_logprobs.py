@@ -22,7 +22,7 @@ def pos(ids: list[int], lps: list[float], ranks: list[int] | None = None) -> Pos
 
 
 def test_tokens_shape_clamps_and_dedups() -> None:
-    [entry] = to_generate_logprobs([pos([5, 5, 7], [-math.inf, -math.inf, float("nan")], [3, 1, 2])])
+    [entry] = to_generate_logprobs([pos([5, 5, 7], [-math.inf, -math.inf, float("nan")], [3, 1, 2])], [5])
     assert entry.token_id == 5 and entry.logprob == -9999.0 and entry.rank == 3
     assert [t.token_id for t in entry.top_logprobs] == [5, 7]
     assert entry.top_logprobs[1].logprob == -9999.0
@@ -71,3 +71,8 @@ def test_completion_shape_offsets() -> None:
 def test_prompt_logprobs_first_is_none() -> None:
     out = prompt_logprob_dicts(TOK, [None, pos([9707, 3], [-0.2, -3.0], [1, 2])])
     assert out[0] is None and out[1][9707].decoded_token == "Hello" and out[1][3].rank == 2
+
+
+def test_missing_position_gets_floor() -> None:
+    [entry] = to_generate_logprobs([None], [42])
+    assert entry.token_id == 42 and entry.logprob == -9999.0 and entry.top_logprobs == []

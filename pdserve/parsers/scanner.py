@@ -1,0 +1,80 @@
+"""Incremental search for literal markup tags in streamed text.
+
+The parsers must cost O(new text) per engine step, never a re-scan of the
+whole output. ``TagScanner`` keeps only what has not been classified yet: the
+new delta plus a held-back suffix that could still grow into a tag (at most
+the longest tag minus one character). Which tags count depends on the
+caller's state (``>`` ends a function name but is plain text in a value), so
+the caller passes the active ``TagSet`` on every call.
+"""
+
+from __future__ import annotations
+
+import re
+
+
+class TagSet:
+    """A fixed set of literal tags, compiled once (define instances at module level)."""
+
+    def __init__(self, *tags: str) -> None:
+        self.tags = frozenset(tags)
+        # Longest first, so the longest tag wins when two start at the same place.
+        self._pattern = re.compile("|".join(re.escape(t) for t in sorted(tags, key=len, reverse=True)))
+        self._prefixes = frozenset(t[:k] for t in tags for k in range(1, len(t)))
+        self._max_prefix = max(len(t) for t in tags) - 1
+
+    def search(self, text: str, pos: int) -> re.Match[str] | None:
+        return self._pattern.search(text, pos)
+
+    def partial_suffix_len(self, text: str, pos: int) -> int:
+        """Length of the longest suffix of ``text[pos:]`` that is a proper prefix of a tag."""
+        end = len(text)
+        for k in range(min(self._max_prefix, end - pos), 0, -1):
+            if text[end - k :] in self._prefixes:
+                return k
+        return 0
+
+
+class TagScanner:
+    """Splits pushed text into (text, tag) pieces against a caller-chosen ``TagSet``.
+
+    ``scanned`` counts characters examined; it grows by the pushed length plus
+    a bounded hold-back per push, which is how tests assert the O(delta) cost.
+    """
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._pos = 0
+        self.scanned = 0
+
+    def push(self, text: str) -> None:
+        if self._pos:
+            self._buf = self._buf[self._pos :]
+            self._pos = 0
+        self._buf += text
+
+    def next(self, tags: TagSet) -> tuple[str, str | None]:
+        """Text up to the next tag, and the tag.
+
+        When no complete tag is left, returns ``(text, None)`` where text stops
+        before a suffix that may be the start of a tag; that suffix stays
+        buffered until more text is pushed or ``drain`` is called.
+        """
+        start = self._pos
+        match = tags.search(self._buf, start)
+        if match is not None:
+            self.scanned += match.end() - start
+            self._pos = match.end()
+            return self._buf[start : match.start()], match.group()
+        end = len(self._buf)
+        hold = tags.partial_suffix_len(self._buf, start)
+        self.scanned += end - start + hold
+        self._pos = end - hold
+        return self._buf[start : self._pos], None
+
+    def drain(self) -> str:
+        """Everything still buffered (at end of output a partial tag is plain text)."""
+        rest = self._buf[self._pos :]
+        self._buf = ""
+        self._pos = 0
+        return rest

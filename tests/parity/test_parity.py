@@ -1,0 +1,291 @@
+"""Parity: inline derender == derender(generate tokens) == coupled /v1/chat/completions, batch and streamed.
+
+A real server per parser setup (scripted engine replaying every case's output
+with the real Qwen3 tokenizer). For each case every surface is checked against
+the hand-written expectation in tests/fixtures/parser_cases.py and against each
+other (content, reasoning, tool calls by name + parsed arguments, finish_reason,
+stop_reason, logprob tokens/bytes).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any
+
+import httpx
+import pytest
+
+from pdserve.text.tokenizer import Tokenizer
+from tests.fixtures.parser_cases import CASES, ParserCase, Setup
+from tests.serverproc import ServerProcess
+from tests.sse import stream_post
+
+TOK = Tokenizer.load("qwen3")
+SETUPS: dict[str, Setup] = {}
+CASES_BY_SETUP: dict[str, list[ParserCase]] = defaultdict(list)
+for _case in CASES:
+    for _setup in _case.setups:
+        SETUPS[_setup.label] = _setup
+        CASES_BY_SETUP[_setup.label].append(_case)
+
+PARAMS = [(label, case) for label, cases in CASES_BY_SETUP.items() for case in cases]
+
+
+class Servers:
+    """One server per setup, started lazily and shared by the module."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory, tokens_per_step: int):
+        self._tmp = tmp_path_factory
+        self._tokens_per_step = tokens_per_step
+        self._servers: dict[str, ServerProcess] = {}
+
+    def get(self, label: str) -> ServerProcess:
+        if label not in self._servers:
+            script = self._tmp.mktemp("parity") / f"{label}.jsonl"
+            script.write_text("".join(json.dumps({"text": c.output}) + "\n" for c in CASES_BY_SETUP[label]))
+            srv = ServerProcess("serve", "--engine", "scripted", "--tokenizer", "qwen3", "--script", str(script),
+                                "--tokens-per-step", str(self._tokens_per_step), *SETUPS[label].cli_args())
+            self._servers[label] = srv.start()
+        return self._servers[label]
+
+    def stop(self) -> None:
+        for srv in self._servers.values():
+            srv.stop()
+
+
+@pytest.fixture(scope="module", params=[1, 3], ids=lambda k: f"{k}-per-step")
+def servers(request, tmp_path_factory):  # type: ignore[no-untyped-def]
+    s = Servers(tmp_path_factory, request.param)
+    yield s
+    s.stop()
+
+
+def chat_body(label: str, case: ParserCase, **extra: Any) -> dict[str, Any]:
+    body = dict(case.request)
+    body["vllm_xargs"] = {"script_index": CASES_BY_SETUP[label].index(case)}
+    body["logprobs"] = True
+    body["top_logprobs"] = 2
+    if case.engine_finish_reason == "length":
+        body["max_tokens"] = len(TOK.encode(case.output))
+    body.update(extra)
+    return body
+
+
+def post(srv: ServerProcess, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(srv.url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def norm_message(message: dict[str, Any]) -> dict[str, Any]:
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls") or []]
+    for c in message.get("tool_calls") or []:
+        assert c["id"].startswith("chatcmpl-tool-") and c["type"] == "function"
+    return {"content": message.get("content") or "", "reasoning": message.get("reasoning"), "tool_calls": calls}
+
+
+def assemble(deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    """Fold stream deltas into one message; a tool call's id never changes."""
+    content, reasoning = "", None
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        content += d.get("content") or ""
+        if d.get("reasoning") is not None:
+            reasoning = (reasoning or "") + d["reasoning"]
+        for tc in d.get("tool_calls") or []:
+            slot = calls.setdefault(tc["index"], {"id": None, "name": "", "arguments": ""})
+            if tc.get("id"):
+                assert slot["id"] in (None, tc["id"]), "tool-call id changed mid-stream"
+                slot["id"] = tc["id"]
+            fn = tc.get("function") or {}
+            slot["name"] += fn.get("name") or ""
+            slot["arguments"] += fn.get("arguments") or ""
+    tool_calls = [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
+    for c in calls.values():
+        assert c["id"] and c["id"].startswith("chatcmpl-tool-")
+    return {"content": content, "reasoning": reasoning, "tool_calls": tool_calls}
+
+
+def expected(case: ParserCase) -> dict[str, Any]:
+    return {
+        "content": case.content or "",
+        "reasoning": case.reasoning,
+        "tool_calls": [(c.name, c.arguments) for c in case.tool_calls],
+    }
+
+
+def logprob_view(content: list[dict[str, Any]] | None) -> list[tuple[str, list[int], list[str]]] | None:
+    if content is None:
+        return None
+    return [(e["token"], e["bytes"], [t["token"] for t in e["top_logprobs"]]) for e in content]
+
+
+def stream_logprobs(choices: list[dict[str, Any]]) -> list | None:
+    out: list = []
+    seen = False
+    for c in choices:
+        if c.get("logprobs") is not None:
+            seen = True
+            out += c["logprobs"]["content"] or []
+    return logprob_view(out) if seen else None
+
+
+@pytest.mark.parametrize(("label", "case"), PARAMS, ids=[f"{label}-{case.name}" for label, case in PARAMS])
+def test_chat_parity(servers: Servers, label: str, case: ParserCase) -> None:
+    srv = servers.get(label)
+    want = expected(case)
+    chat = chat_body(label, case)
+
+    # Coupled, batch and stream.
+    coupled = post(srv, "/v1/chat/completions", chat)["choices"][0]
+    events, done = stream_post(srv.url + "/v1/chat/completions", {**chat, "stream": True})
+    assert done
+    coupled_stream = [e["choices"][0] for e in events if e["choices"]]
+
+    # Render once, then generate inline (batch, stream; parse_context and chat_request shapes).
+    rendered = post(srv, "/v1/chat/completions/render", chat)
+    assert rendered["parse_context"] is not None and rendered["output_mode"] == "tokens"
+    inline = post(srv, "/inference/v1/generate", {**rendered, "output_mode": "derender"})
+    assert inline["output_mode"] == "derender"
+    inline_choice = inline["choices"][0]
+    rfc_shape = {**rendered, "output_mode": "derender", "parse_context": None, "chat_request": chat}
+    inline_rfc = post(srv, "/inference/v1/generate", rfc_shape)["choices"][0]
+    events, done = stream_post(srv.url + "/inference/v1/generate", {**rendered, "output_mode": "derender",
+                                                                     "stream": True})
+    assert done and all(e["output_mode"] == "derender" for e in events)
+    inline_stream = [e["choices"][0] for e in events]
+
+    # Tokens leg, then stateless derender (batch, and per-chunk streaming with stream_state).
+    tokens = post(srv, "/inference/v1/generate", {**rendered, "return_token_ids": True})
+    derendered = post(srv, "/v1/chat/completions/derender", {
+        "generate_response": tokens, "chat_request": chat, "prompt_token_ids": rendered["token_ids"],
+    })["choices"][0]
+    events, done = stream_post(srv.url + "/inference/v1/generate", {**rendered, "stream": True})
+    state = None
+    derender_stream = []
+    for event in events:
+        res = post(srv, "/v1/chat/completions/derender", {
+            "stream": True, "generate_chunk": event, "stream_state": state, "chat_request": chat,
+            "prompt_token_ids": rendered["token_ids"],
+        })
+        state = res["stream_state"]
+        derender_stream += res["chunk"]["choices"]
+
+    batch = {"coupled": coupled, "inline": inline_choice, "inline_chat_request": inline_rfc,
+             "derender": derendered}
+    streams = {"coupled": coupled_stream, "inline": inline_stream, "derender": derender_stream}
+    for name, choice in batch.items():
+        assert norm_message(choice["message"]) == want, name
+        assert choice["finish_reason"] == case.finish_reason, name
+        assert choice["stop_reason"] == batch["coupled"]["stop_reason"], name
+        assert logprob_view((choice["logprobs"] or {}).get("content")) == \
+            logprob_view((coupled["logprobs"] or {}).get("content")), name
+        if case.hide_metadata:
+            assert choice["logprobs"] is None, name
+    if case.hide_metadata:
+        assert inline_choice["token_ids"] is None
+    else:
+        assert inline_choice["token_ids"] == tokens["choices"][0]["token_ids"]
+    for name, choices in streams.items():
+        message = assemble([c["delta"] for c in choices])
+        assert {**message, "content": message["content"]} == want, name
+        finals = [c["finish_reason"] for c in choices if c["finish_reason"] is not None]
+        assert finals == [case.finish_reason], name
+        assert stream_logprobs(choices) == logprob_view((coupled["logprobs"] or {}).get("content")), name
+
+
+TEXT_CASES = [c for c in CASES if c.name in ("plain_answer", "cjk_and_emoji", "reasoning_then_answer")]
+
+
+@pytest.mark.parametrize("case", TEXT_CASES, ids=[c.name for c in TEXT_CASES])
+def test_text_parity(servers: Servers, case: ParserCase) -> None:
+    label = next(s.label for s in case.setups)
+    srv = servers.get(label)
+    rendered = post(srv, "/v1/chat/completions/render", chat_body(label, case))
+    ids, sp = rendered["token_ids"], {**rendered["sampling_params"], "logprobs": 2}
+    text = post(srv, "/inference/v1/generate", {"token_ids": ids, "output_mode": "text", "sampling_params": sp})
+    tokens = post(srv, "/inference/v1/generate", {"token_ids": ids, "sampling_params": sp})
+    derendered = post(srv, "/v1/completions/derender", {"generate_responses": [tokens], "prompt_token_ids": [ids]})
+    coupled = post(srv, "/v1/completions", {"prompt": ids, "max_tokens": sp["max_tokens"], "logprobs": 2,
+                                            "skip_special_tokens": sp.get("skip_special_tokens", True),
+                                            "vllm_xargs": sp["extra_args"]})
+    inline_text = text["choices"][0]["text"]
+    assert inline_text == derendered["choices"][0]["text"] == coupled["choices"][0]["text"]
+    want_text = TOK.decode(TOK.encode(case.parser_text), skip_special_tokens=sp.get("skip_special_tokens", True))
+    assert inline_text == want_text
+    tokens_view = [e["token"] for e in text["choices"][0]["logprobs"]["content"]]
+    assert tokens_view == derendered["choices"][0]["logprobs"]["tokens"] == coupled["choices"][0]["logprobs"]["tokens"]
+    # Streaming text == batch text.
+    events, _ = stream_post(srv.url + "/inference/v1/generate",
+                            {"token_ids": ids, "output_mode": "text", "stream": True, "sampling_params": sp})
+    assert "".join(e["choices"][0]["text"] for e in events) == inline_text
+    # Streaming completions derender of the tokens stream == batch text.
+    events, _ = stream_post(srv.url + "/inference/v1/generate", {"token_ids": ids, "stream": True,
+                                                                 "sampling_params": sp})
+    state, pieces = None, []
+    for event in events:
+        res = post(srv, "/v1/completions/derender", {"stream": True, "generate_chunk": event, "stream_state": state,
+                                                     "prompt_token_ids": ids})
+        state = res["stream_state"]
+        pieces += [c["text"] for c in res["chunk"]["choices"]]
+    assert "".join(pieces) == inline_text
+
+
+@pytest.mark.parametrize(
+    ("stop", "content", "reasoning_cut"),
+    [("= 391.", "\n\n17 * 23 ", False), (" so ", "", True)],
+    ids=["in-content", "in-reasoning"],
+)
+def test_stop_string_parity(servers: Servers, stop: str, content: str, reasoning_cut: bool) -> None:
+    case = next(c for c in CASES if c.name == "reasoning_then_answer")
+    label = case.setups[0].label
+    srv = servers.get(label)
+    chat = chat_body(label, case, stop=[stop])
+    coupled = post(srv, "/v1/chat/completions", chat)["choices"][0]
+    rendered = post(srv, "/v1/chat/completions/render", chat)
+    inline = post(srv, "/inference/v1/generate", {**rendered, "output_mode": "derender"})["choices"][0]
+    assert norm_message(inline["message"]) == norm_message(coupled["message"])
+    assert inline["stop_reason"] == coupled["stop_reason"] == stop
+    assert (inline["message"]["content"] or "") == content
+    reasoning = inline["message"]["reasoning"]
+    if reasoning_cut:
+        assert reasoning == case.reasoning.split(stop)[0]
+    else:
+        assert reasoning == case.reasoning
+    assert "</think>" not in (inline["message"]["content"] or "")
+    # Streamed: no text past the stop, nothing of the reasoning lost.
+    events, _ = stream_post(srv.url + "/inference/v1/generate", {**rendered, "output_mode": "derender",
+                                                                 "stream": True})
+    streamed = assemble([e["choices"][0]["delta"] for e in events])
+    assert streamed["content"] == content and streamed["reasoning"] == reasoning
+    # Text level against /v1/completions and /derender (without the request: cut from stop_reason).
+    sp = rendered["sampling_params"]
+    text = post(srv, "/inference/v1/generate", {"token_ids": rendered["token_ids"], "output_mode": "text",
+                                                "sampling_params": sp})["choices"][0]
+    comp = post(srv, "/v1/completions", {"prompt": rendered["token_ids"], "stop": [stop], "max_tokens": sp["max_tokens"],
+                                          "skip_special_tokens": False, "vllm_xargs": sp["extra_args"]})["choices"][0]
+    assert text["text"] == comp["text"] and stop not in text["text"]
+    tokens = post(srv, "/inference/v1/generate", {"token_ids": rendered["token_ids"], "sampling_params": sp})
+    der = post(srv, "/v1/completions/derender", {"generate_responses": [tokens]})["choices"][0]
+    assert der["text"].startswith(text["text"])
+    # token_ids keep the id that completed the stop string: re-decoding brings it back.
+    assert stop in TOK.decode(tokens["choices"][0]["token_ids"])
+
+
+def test_n_parity(servers: Servers) -> None:
+    case = next(c for c in CASES if c.name == "reasoning_then_two_tool_calls")
+    label = case.setups[0].label
+    srv = servers.get(label)
+    chat = chat_body(label, case, n=2)
+    coupled = post(srv, "/v1/chat/completions", chat)["choices"]
+    rendered = post(srv, "/v1/chat/completions/render", chat)
+    inline = post(srv, "/inference/v1/generate", {**rendered, "output_mode": "derender"})["choices"]
+    assert len(coupled) == len(inline) == 2
+    for a, b in zip(coupled, inline, strict=True):
+        assert norm_message(a["message"]) == norm_message(b["message"]) == expected(case)
+    events, _ = stream_post(srv.url + "/inference/v1/generate", {**rendered, "output_mode": "derender",
+                                                                 "stream": True})
+    for i in range(2):
+        deltas = [e["choices"][0]["delta"] for e in events if e["choices"][0]["index"] == i]
+        assert assemble(deltas) == expected(case)
