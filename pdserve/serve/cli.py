@@ -45,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="bfloat16")
     serve.add_argument("--api-server-count", type=int, default=1)
     _add_server_args(serve)
+
+    launch = sub.add_parser("launch", help="run a server of another role")
+    roles = launch.add_subparsers(dest="role", required=True)
+    render = roles.add_parser("render", help="render + derender endpoints with a tokenizer and no engine")
+    render.add_argument("--tokenizer", default="qwen3", help="'qwen3' or a directory with tokenizer.json")
+    render.add_argument("--max-model-len", type=int, default=None, help="bound for derender inputs")
+    _add_server_args(render)
     return parser
 
 
@@ -82,18 +89,31 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
     )
 
 
+def render_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        engine=None,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        tokenizer=args.tokenizer,
+        served_model_name=args.served_model_name,
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        log_level=args.log_level,
+        max_model_len=args.max_model_len,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "serve":
-        from pdserve.serve.runner import run_server
+    from pdserve.serve.runner import run_server
 
-        try:
-            config = serve_config(args)
-        except ValueError as e:
-            print(f"pdserve: {e}", file=sys.stderr)
-            return 2
-        return run_server(config)
+    if args.command == "serve":
+        return run_server(serve_config(args))
+    if args.command == "launch" and args.role == "render":
+        return run_server(render_config(args))
     return 2
 
 

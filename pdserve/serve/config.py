@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.engine.factory import EngineSpec
 
@@ -13,7 +13,7 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
 @dataclass
 class ServerConfig:
-    engine: EngineSpec
+    engine: EngineSpec | None  # None: a render server (render + derender, no generate)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -29,4 +29,5 @@ class ServerConfig:
     # ipc addresses of a running engine core (set by the supervisor for frontend processes).
     engine_core_addresses: dict[str, str] | None = None
     log_level: str = "info"
-    extra: dict[str, str] = field(default_factory=dict)
+    # Bound for render/derender inputs on a server without an engine (else the engine's).
+    max_model_len: int | None = None

@@ -24,7 +24,7 @@ def require_tokenizer(state: AppState) -> Tokenizer:
 
 
 def _max_model_len(state: AppState) -> int | None:
-    return state.engine.info.max_model_len if state.engine is not None else None
+    return state.engine.info.max_model_len if state.engine is not None else state.config.max_model_len
 
 
 def _resolve_max_tokens(state: AppState, requested: int | None, prompt_len: int) -> int | None:

@@ -36,7 +36,7 @@ def run_server(config: ServerConfig) -> int:
     try:
         tokenizer = None if config.tokens_only or not config.tokenizer else Tokenizer.load(config.tokenizer)
         parsers = load_parser_config(config, tokenizer)
-        engine = build_engine(config.engine)
+        engine = build_engine(config.engine) if config.engine is not None else None
     except ValueError as e:
         print(f"pdserve: {e}", file=sys.stderr)
         return 2

@@ -52,7 +52,9 @@ MAX_LOGPROBS = 20
 
 
 def _max_len(state: AppState) -> int:
-    return state.engine.info.max_model_len if state.engine is not None else DEFAULT_MAX_LEN
+    if state.engine is not None:
+        return state.engine.info.max_model_len
+    return state.config.max_model_len or DEFAULT_MAX_LEN
 
 
 def positions_of(logprobs: GenerateLogProbs | None) -> list[PositionLogprobs] | None:
