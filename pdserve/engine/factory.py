@@ -30,4 +30,8 @@ def build_engine(spec: EngineSpec) -> Engine:
         from pdserve.engine.runners.scripted import ScriptedEngine
 
         return ScriptedEngine.from_spec(spec)
+    if spec.kind == "torch":
+        from pdserve.engine.runners.torch_runner import TorchEngine
+
+        return TorchEngine.from_spec(spec)
     raise ValueError(f"unknown engine kind {spec.kind!r}; choose 'scripted' or 'torch'")

@@ -51,6 +51,27 @@ def _sampling(fields: dict[str, Any]) -> SamplingParams:
         raise RequestError(str(e)) from None
 
 
+def _shared_sampling_fields(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None) -> dict[str, Any]:
+    """The sampling fields chat and completions requests spell the same way."""
+    return dict(
+        n=req.n,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens or None,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        seed=req.seed,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos or None,
+        prompt_logprobs=req.prompt_logprobs,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output or None,
+        extra_args=req.vllm_xargs,
+    )
+
+
 def _check_tool_choice(state: AppState, chat: ChatCompletionRequest) -> None:
     parsers = state.parser_config
     has_tool_parser = parsers is not None and parsers.tool_call_parser is not None
@@ -104,25 +125,8 @@ def render_chat(state: AppState, chat: ChatCompletionRequest, request_id: str | 
     if parsers_active(state, chat):
         skip_special = False
     sampling = _sampling(
-        dict(
-            n=chat.n,
-            max_tokens=max_tokens,
-            min_tokens=chat.min_tokens or None,
-            temperature=chat.temperature,
-            top_p=chat.top_p,
-            top_k=chat.top_k,
-            min_p=chat.min_p,
-            seed=chat.seed,
-            stop=chat.stop,
-            stop_token_ids=chat.stop_token_ids,
-            ignore_eos=chat.ignore_eos or None,
-            logprobs=chat.top_logprobs if chat.logprobs else None,
-            prompt_logprobs=chat.prompt_logprobs,
-            skip_special_tokens=skip_special,
-            spaces_between_special_tokens=chat.spaces_between_special_tokens,
-            include_stop_str_in_output=chat.include_stop_str_in_output or None,
-            extra_args=chat.vllm_xargs,
-        )
+        _shared_sampling_fields(chat, max_tokens)
+        | dict(logprobs=chat.top_logprobs if chat.logprobs else None, skip_special_tokens=skip_special)
     )
     parsers = state.parser_config
     reasoning_kwargs = None
@@ -177,25 +181,8 @@ def render_completion(state: AppState, req: CompletionRequest, request_id: str |
             raise RequestError(f"prompt {i} is empty", param="prompt")
         max_tokens = _resolve_max_tokens(state, req.max_tokens, len(ids))
         sampling = _sampling(
-            dict(
-                n=req.n,
-                max_tokens=max_tokens,
-                min_tokens=req.min_tokens or None,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                top_k=req.top_k,
-                min_p=req.min_p,
-                seed=req.seed,
-                stop=req.stop,
-                stop_token_ids=req.stop_token_ids,
-                ignore_eos=req.ignore_eos or None,
-                logprobs=req.logprobs,
-                prompt_logprobs=req.prompt_logprobs,
-                skip_special_tokens=req.skip_special_tokens,
-                spaces_between_special_tokens=req.spaces_between_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output or None,
-                extra_args=req.vllm_xargs,
-            )
+            _shared_sampling_fields(req, max_tokens)
+            | dict(logprobs=req.logprobs, skip_special_tokens=req.skip_special_tokens)
         )
         out.append(
             GenerateRequest(

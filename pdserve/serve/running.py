@@ -7,11 +7,13 @@ goes away cancels the drivers, whose cleanup aborts the engine requests.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
-from pdserve.engine.api import EngineRequest
+from pdserve.engine.api import EngineError, EngineRequest
 from pdserve.output.driver import drive
 from pdserve.output.request_state import ChoiceUpdate, RequestState
 from pdserve.serve.app import AppState
@@ -50,6 +52,31 @@ async def run_batch(request: Request, state: AppState, prepared: Sequence[Prepar
         if not work.done():
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
+
+
+async def respond_batch(
+    request: Request,
+    state: AppState,
+    prepared: Sequence[Prepared],
+    labels: tuple[str, str],
+    build: Callable[[], BaseModel],
+) -> Response:
+    """Run to completion and answer with ``build()``; counts the request under ``labels``
+    (endpoint, output mode) with its status: 200, 499 (client left) or 500 (engine error)."""
+    state.metrics.running.inc()
+    status = "200"
+    try:
+        await run_batch(request, state, prepared)
+        return JSONResponse(build().model_dump(mode="json"))
+    except ClientGone:
+        status = "499"
+        return Response(status_code=499)
+    except EngineError:
+        status = "500"
+        raise
+    finally:
+        state.metrics.running.dec()
+        state.metrics.requests.labels(*labels, status).inc()
 
 
 async def merged_updates(state: AppState, prepared: Sequence[Prepared]) -> AsyncIterator[tuple[int, ChoiceUpdate]]:

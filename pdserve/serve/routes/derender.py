@@ -11,6 +11,7 @@ path replays only a short tail to rebuild a split multi-byte character.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -18,7 +19,7 @@ from fastapi.responses import JSONResponse
 from pdserve.engine.api import EngineOutput, PositionLogprobs
 from pdserve.output.generate_builders import usage_of
 from pdserve.output.openai_builders import chat_chunk, completion_chunk, completion_response
-from pdserve.output.request_state import ChoiceState, OutputConfig, RequestState
+from pdserve.output.request_state import ChoiceState, ChoiceUpdate, OutputConfig, RequestState
 from pdserve.protocol.derender import (
     DerenderChatStreamRequest,
     DerenderCompletionStreamRequest,
@@ -195,13 +196,28 @@ def _replayed_choice(
     else:
         out = previous.output_token_ids
         head, tail = out[: max(0, len(out) - PLAIN_REPLAY_IDS)], out[-PLAIN_REPLAY_IDS:]
-        cfg = OutputConfig(**{**config.__dict__, "prompt_token_ids": list(config.prompt_token_ids) + head})
-        cs = ChoiceState(index, cfg)
+        cs = ChoiceState(index, replace(config, prompt_token_ids=list(config.prompt_token_ids) + head))
         if tail:
             cs.add(EngineOutput(request_id=request_id, index=index, new_token_ids=tail))
-    if cs._logprob_decoder is not None:
-        cs._logprob_decoder.context = list(previous.logprob_context_token_ids)
     return cs
+
+
+def _continue_stream(
+    config: OutputConfig, previous: DerenderStreamState, parsed: bool, choice: GenerateTokensStreamChoice,
+    request_id: str,
+) -> tuple[ChoiceState, ChoiceUpdate]:
+    """Rebuild the choice from ``previous`` and feed it this chunk."""
+    try:
+        cs = _replayed_choice(config, previous, parsed, choice.index, request_id)
+        update = cs.add(EngineOutput(
+            request_id=request_id, index=choice.index, new_token_ids=choice.token_ids or [],
+            finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
+        ))
+    except Exception as e:  # a state that does not replay is the client's
+        raise RequestError(f"invalid stream_state: derender failed ({e})") from None
+    if update is None:
+        raise RequestError("invalid stream_state: this choice already finished")
+    return cs, update
 
 
 def _chunk_logprobs(
@@ -255,22 +271,10 @@ def _chat_derender_stream(req: DerenderChatStreamRequest, state: AppState) -> JS
     # Logprobs belong to this chunk's own ids (not to the text it happens to release), so they are
     # decoded here with the carried context rather than by the replayed choice.
     config = _chat_config(state, chat, prompt_ids, StopConfig(), True, False)
-    try:
-        cs = _replayed_choice(config, previous, parsed, choice.index, gchunk.request_id)
-        rstate = RequestState(gchunk.request_id, choice.index + 1, config)
-        rstate.choices[choice.index] = cs
-        update = cs.add(EngineOutput(
-            request_id=gchunk.request_id, index=choice.index, new_token_ids=delta_ids,
-            new_logprobs=positions_of(choice.logprobs), finish_reason=choice.finish_reason,
-            stop_reason=choice.stop_reason,
-        ))
-    except RequestError:
-        raise
-    except Exception as e:  # a state that does not replay is the client's
-        raise RequestError(f"invalid stream_state: derender failed ({e})") from None
+    cs, update = _continue_stream(config, previous, parsed, choice, gchunk.request_id)
+    rstate = RequestState(gchunk.request_id, choice.index + 1, config)
+    rstate.choices[choice.index] = cs
     new_state = _next_state(previous, delta_ids, parsed)
-    if update is None:
-        raise RequestError("invalid stream_state: this choice already finished")
     if update.delta is not None:
         for call in update.delta.tool_calls:
             if call.id is None:
@@ -341,17 +345,7 @@ def _completion_derender_stream(req: DerenderCompletionStreamRequest, state: App
         return JSONResponse({"chunk": empty, "stream_state": previous.model_dump()})
     delta_ids = choice.token_ids or []
     config = _completion_config(state, creq, prompt_ids, StopConfig(), False)
-    try:
-        cs = _replayed_choice(config, previous, False, choice.index, gchunk.request_id)
-        update = cs.add(EngineOutput(
-            request_id=gchunk.request_id, index=choice.index, new_token_ids=delta_ids,
-            new_logprobs=positions_of(choice.logprobs), finish_reason=choice.finish_reason,
-            stop_reason=choice.stop_reason,
-        ))
-    except Exception as e:
-        raise RequestError(f"invalid stream_state: detokenization failed ({e})") from None
-    if update is None:
-        raise RequestError("invalid stream_state: this choice already finished")
+    cs, update = _continue_stream(config, previous, False, choice, gchunk.request_id)
     new_state = _next_state(previous, delta_ids, False)
     update.token_ids = delta_ids
     update.decoded_logprobs = None

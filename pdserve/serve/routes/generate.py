@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, BackgroundTasks, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from pdserve.engine.api import EngineError, EngineRequest, SequenceSampling
 from pdserve.output.driver import drive
 from pdserve.output.generate_builders import batch_response, stream_chunk, usage_of
 from pdserve.output.request_state import OutputConfig, RequestState
 from pdserve.protocol.errors import RequestError
-from pdserve.protocol.generate import AbortRequest, GenerateRequest
+from pdserve.protocol.generate import AbortRequest, GenerateRequest, GenerateResponseBase
 from pdserve.serve.app import AppState, app_state, error_event, parse_body
 from pdserve.serve.parsing import chat_parser_factory
-from pdserve.serve.running import ClientGone, run_batch
+from pdserve.serve.running import respond_batch
 from pdserve.serve.sse import DONE, sse_event
 from pdserve.serve.validation import resolve_max_tokens, validate_generate
 from pdserve.text.detokenizer import StopConfig
@@ -107,29 +107,19 @@ async def generate(request: Request) -> Response:
     }
     if req.stream:
         return StreamingResponse(_stream(state, req, ereq, rstate), media_type="text/event-stream")
-    return await _batch(request, state, req, ereq, rstate, base)
+    return await respond_batch(
+        request, state, [(ereq, rstate)], ("generate", req.output_mode), _batch_builder(state, rstate, base)
+    )
 
 
-async def _batch(
-    request: Request, state: AppState, req: GenerateRequest, ereq: EngineRequest, rstate: RequestState, base: dict
-) -> Response:
-    state.metrics.running.inc()
-    status = "200"
-    try:
-        await run_batch(request, state, [(ereq, rstate)])
+def _batch_builder(state: AppState, rstate: RequestState, base: dict) -> Callable[[], GenerateResponseBase]:
+    def build() -> GenerateResponseBase:
         if rstate.prompt_logprobs is not None:
             base["prompt_logprobs"] = prompt_logprob_dicts(state.tokenizer, rstate.prompt_logprobs)
         base["kv_transfer_params"] = rstate.kv_transfer_params
-        return JSONResponse(batch_response(rstate, base).model_dump(mode="json"))
-    except ClientGone:
-        status = "499"
-        return Response(status_code=499)
-    except EngineError:
-        status = "500"
-        raise
-    finally:
-        state.metrics.running.dec()
-        state.metrics.requests.labels("generate", req.output_mode, status).inc()
+        return batch_response(rstate, base)
+
+    return build
 
 
 async def _stream(state: AppState, req: GenerateRequest, ereq: EngineRequest, rstate: RequestState) -> AsyncIterator[str]:

@@ -17,13 +17,12 @@ from pdserve.output.openai_builders import (
     completion_chunk,
     completion_response,
 )
-from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import GenerateRequest
 from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest
-from pdserve.serve.app import AppState, app_state, error_event, parse_body
+from pdserve.serve.app import app_state, error_event, parse_body
 from pdserve.serve.render import render_chat, render_completion
 from pdserve.serve.routes.generate import prepare
-from pdserve.serve.running import ClientGone, Prepared, merged_updates, run_batch
+from pdserve.serve.running import merged_updates, respond_batch
 from pdserve.serve.sse import DONE, sse_event
 from pdserve.serve.validation import validate_generate
 
@@ -53,36 +52,10 @@ async def completion_render(request: Request) -> JSONResponse:
     return JSONResponse([rendered_json(r) for r in rendered])
 
 
-def _check_model(state: AppState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise RequestError(
-            f"model {model!r} is not served here; this server serves {state.model_name!r}",
-            param="model", status=404, kind="NotFoundError",
-        )
-
-
-async def _finish_batch(request: Request, state: AppState, endpoint: str, prepared: list[Prepared], build) -> Response:  # type: ignore[no-untyped-def]
-    state.metrics.running.inc()
-    status = "200"
-    try:
-        await run_batch(request, state, prepared)
-        return JSONResponse(build().model_dump(mode="json"))
-    except ClientGone:
-        status = "499"
-        return Response(status_code=499)
-    except EngineError:
-        status = "500"
-        raise
-    finally:
-        state.metrics.running.dec()
-        state.metrics.requests.labels(endpoint, "-", status).inc()
-
-
 @coupled_router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     state = app_state(request)
     chat = await parse_body(request, ChatCompletionRequest)
-    _check_model(state, chat.model)
     gen = render_chat(state, chat, request.headers.get("x-request-id"))
     gen.output_mode = "derender"
     validate_generate(state, gen)
@@ -91,8 +64,9 @@ async def chat_completions(request: Request) -> Response:
     return_ids = bool(chat.return_token_ids)
     rstate = prepared[0][1]
     if not chat.stream:
-        return await _finish_batch(
-            request, state, "chat", prepared, lambda: chat_response(rstate, response_id, state.model_name, return_ids)
+        return await respond_batch(
+            request, state, prepared, ("chat", "derender"),
+            lambda: chat_response(rstate, response_id, state.model_name, return_ids),
         )
     include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
     continuous = include_usage and bool(chat.stream_options and chat.stream_options.continuous_usage_stats)
@@ -122,7 +96,7 @@ async def chat_completions(request: Request) -> Response:
             yield sse_event(error_event(f"engine error: {e}", 500, "InternalServerError"))
         finally:
             state.metrics.running.dec()
-            state.metrics.requests.labels("chat", "-", "200").inc()
+            state.metrics.requests.labels("chat", "derender", "200").inc()
         yield DONE
 
     return StreamingResponse(events(), media_type="text/event-stream")
@@ -132,7 +106,6 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     state = app_state(request)
     req = await parse_body(request, CompletionRequest)
-    _check_model(state, req.model)
     gens = render_completion(state, req, request.headers.get("x-request-id"))
     for gen in gens:
         gen.output_mode = "text"
@@ -142,8 +115,8 @@ async def completions(request: Request) -> Response:
     states = [r for _, r in prepared]
     return_ids = bool(req.return_token_ids)
     if not req.stream:
-        return await _finish_batch(
-            request, state, "completions", prepared,
+        return await respond_batch(
+            request, state, prepared, ("completions", "text"),
             lambda: completion_response(states, response_id, state.model_name, return_ids),
         )
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -174,7 +147,7 @@ async def completions(request: Request) -> Response:
             yield sse_event(error_event(f"engine error: {e}", 500, "InternalServerError"))
         finally:
             state.metrics.running.dec()
-            state.metrics.requests.labels("completions", "-", "200").inc()
+            state.metrics.requests.labels("completions", "text", "200").inc()
         yield DONE
 
     return StreamingResponse(events(), media_type="text/event-stream")
