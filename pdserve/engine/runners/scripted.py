@@ -3,7 +3,9 @@
 Used by tests and benchmarks where the *frontend* is under test: output is known
 in advance, arrives ``tokens_per_step`` ids every ``step_ms`` milliseconds, and
 honours every engine-side sampling rule (max/min tokens, stop token ids, EOS,
-ignore_eos, n, abort) plus seeded pseudo logprobs. Scripts are JSONL lines,
+ignore_eos, n, abort) plus seeded pseudo logprobs. A script ends with EOS; while
+``min_tokens`` (or ``ignore_eos``) forbids that, the script is replayed from its
+start and EOS comes at the end of the first pass that is allowed to end. Scripts are JSONL lines,
 ``{"text": ...}`` (encoded with the server tokenizer) or ``{"token_ids": [...]}``,
 chosen round-robin per request unless ``sampling_params.extra_args.script_index``
 picks one. A line may add ``"fail_after": N`` to make the

@@ -1,0 +1,122 @@
+"""The scripted engine honours the engine-side sampling rules."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.engine.api import EngineDeadError, EngineError, EngineOutput, EngineRequest, SequenceSampling
+from pdserve.engine.runners.scripted import ScriptedEngine, Script
+
+EOS = 99
+SCRIPT = [10, 11, 12, 13, 14]
+
+
+def engine(**kw) -> ScriptedEngine:  # type: ignore[no-untyped-def]
+    scripts = kw.pop("scripts", [Script(SCRIPT)])
+    return ScriptedEngine(scripts, vocab_size=100, eos_token_ids=[EOS, 98], **kw)
+
+
+def run(eng: ScriptedEngine, rid: str = "r", prompt=(1, 2, 3), extra_args=None, **sampling) -> list[EngineOutput]:  # type: ignore[no-untyped-def]
+    async def go() -> list[EngineOutput]:
+        await eng.start()
+        req = EngineRequest(request_id=rid, prompt_token_ids=list(prompt), sampling=SequenceSampling(**sampling),
+                            extra_args=extra_args)
+        return [o async for o in eng.generate(req)]
+
+    return asyncio.run(go())
+
+
+def ids(outs: list[EngineOutput], index: int = 0) -> list[int]:
+    return [t for o in outs if o.index == index for t in o.new_token_ids]
+
+
+def test_script_then_eos() -> None:
+    outs = run(engine(), max_tokens=100)
+    assert ids(outs) == SCRIPT + [EOS]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason is None
+
+
+def test_max_tokens_and_model_length() -> None:
+    outs = run(engine(), max_tokens=3)
+    assert ids(outs) == SCRIPT[:3] and outs[-1].finish_reason == "length"
+    outs = run(engine(max_model_len=5), max_tokens=100)  # 3 prompt ids leave room for 2
+    assert ids(outs) == SCRIPT[:2] and outs[-1].finish_reason == "length"
+
+
+def test_min_tokens_and_ignore_eos_replay_the_script() -> None:
+    outs = run(engine(), max_tokens=100, min_tokens=7)
+    assert ids(outs) == SCRIPT + SCRIPT + [EOS], "EOS waits for min_tokens and comes at the end of a script pass"
+    outs = run(engine(), max_tokens=12, ignore_eos=True)
+    assert ids(outs) == (SCRIPT * 3)[:12] and outs[-1].finish_reason == "length"
+
+
+def test_stop_token_ids_and_secondary_eos() -> None:
+    outs = run(engine(), max_tokens=100, stop_token_ids=[12])
+    assert ids(outs) == [10, 11, 12] and outs[-1].stop_reason == 12
+    outs = run(engine(scripts=[Script([10, 98, 11])]), max_tokens=100)
+    assert ids(outs) == [10, 98] and outs[-1].stop_reason == 98
+    outs = run(engine(), max_tokens=100, stop_token_ids=[10], min_tokens=2)
+    assert ids(outs)[:6] == SCRIPT + [EOS], "min_tokens blocks an early stop token"
+
+
+def test_tokens_per_step_and_n() -> None:
+    outs = run(engine(tokens_per_step=2), max_tokens=100, n=2)
+    assert ids(outs, 0) == ids(outs, 1) == SCRIPT + [EOS]
+    assert all(len(o.new_token_ids) <= 2 for o in outs)
+    assert {o.index for o in outs if o.finished} == {0, 1}
+
+
+def test_seeded_logprobs_are_reproducible_and_sampled_first() -> None:
+    a = run(engine(), max_tokens=4, logprobs=3, seed=7, prompt_logprobs=1)
+    b = run(engine(), max_tokens=4, logprobs=3, seed=7, prompt_logprobs=1)
+    assert [o.new_logprobs for o in a] == [o.new_logprobs for o in b]
+    for out in a:
+        for tok, pos in zip(out.new_token_ids, out.new_logprobs or [], strict=True):
+            assert pos.token_ids[0] == tok and len(pos.token_ids) == 4
+            assert pos.logprobs[0] == max(pos.logprobs)
+    assert a[0].prompt_logprobs is not None and a[0].prompt_logprobs[0] is None and len(a[0].prompt_logprobs) == 3
+
+
+def test_script_index_pick_and_round_robin() -> None:
+    eng = engine(scripts=[Script([1]), Script([2])])
+    assert ids(run(eng, "a")) == [1, EOS]
+    assert ids(run(eng, "b")) == [2, EOS]
+    assert ids(run(eng, "c", extra_args={"script_index": 1})) == [2, EOS]
+    assert ids(run(eng, "d")) == [1, EOS]
+
+
+def test_abort_and_stop_sequence() -> None:
+    async def go() -> tuple[list[EngineOutput], int]:
+        eng = engine(step_ms=5)
+        await eng.start()
+        req = EngineRequest(request_id="x", prompt_token_ids=[1], sampling=SequenceSampling(
+            n=2, max_tokens=1000, ignore_eos=True))
+        outs = []
+        async for out in eng.generate(req):
+            outs.append(out)
+            if len(outs) == 4:
+                await eng.stop_sequence("x", 1)
+            if len(outs) == 8:
+                await eng.abort(["x"])
+        return outs, eng.stats().running_requests
+
+    outs, running = asyncio.run(go())
+    finals = [o for o in outs if o.finished]
+    assert [(o.index, o.finish_reason) for o in finals] == [(0, "abort")]
+    assert running == 0
+
+
+def test_failure_and_dead_engine() -> None:
+    with pytest.raises(EngineError, match="after 2 tokens"):
+        run(engine(scripts=[Script(SCRIPT, fail_after=2)]), max_tokens=10)
+
+    async def dead() -> None:
+        eng = engine()
+        req = EngineRequest(request_id="d", prompt_token_ids=[1], sampling=SequenceSampling())
+        async for _ in eng.generate(req):
+            pass
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(dead())
