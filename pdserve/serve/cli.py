@@ -33,7 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run a generate server")
-    serve.add_argument("model", nargs="?", default=None, help="model name or path (torch engine)")
+    serve.add_argument(
+        "model", nargs="?", default=None,
+        help="smollm2-135m (default), qwen3-tiny, a Hugging Face model dir or a .gguf file (torch engine)",
+    )
     serve.add_argument("--engine", choices=["scripted", "torch"], default=None)
     serve.add_argument("--tokenizer", default=None, help="'qwen3' or a directory with tokenizer.json")
     serve.add_argument("--script", default=None, help="JSONL token scripts for --engine scripted")
@@ -52,14 +55,26 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("--tokenizer", default="qwen3", help="'qwen3' or a directory with tokenizer.json")
     render.add_argument("--max-model-len", type=int, default=None, help="bound for derender inputs")
     _add_server_args(render)
+
+    from pdserve.bench.engine import add_engine_args
+    from pdserve.bench.frontend import add_frontend_args
+
+    bench = sub.add_parser("bench", help="benchmarks; numbers go to docs/benchmarks.md")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    add_engine_args(benches.add_parser("engine", help="torch engine decode tok/s (batch 1, 8) and TTFT"))
+    add_frontend_args(benches.add_parser("frontend", help="inline text/derender vs per-chunk /derender"))
     return parser
 
 
 def serve_config(args: argparse.Namespace) -> ServerConfig:
-    engine_kind = args.engine or "scripted"
+    """Resolve flags: a model runs on the torch engine (default: smollm2-135m); ``--engine
+    scripted`` (or a ``--script``) replays scripts with the qwen3 tokenizer unless told otherwise."""
+    engine_kind = args.engine or ("scripted" if args.script else "torch")
     script = args.script
     tokenizer = args.tokenizer
     if engine_kind == "scripted":
+        if args.model:
+            raise ValueError("--engine scripted takes no MODEL (it replays --script)")
         script = script or demo_script_path()
         tokenizer = tokenizer or "qwen3"
     spec = EngineSpec(
@@ -107,13 +122,26 @@ def render_config(args: argparse.Namespace) -> ServerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=getattr(args, "log_level", "warning").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from pdserve.serve.runner import run_server
 
     if args.command == "serve":
-        return run_server(serve_config(args))
+        try:
+            config = serve_config(args)
+        except ValueError as e:
+            print(f"pdserve: {e}", file=sys.stderr)
+            return 2
+        return run_server(config)
     if args.command == "launch" and args.role == "render":
         return run_server(render_config(args))
+    if args.command == "bench" and args.bench == "engine":
+        from pdserve.bench.engine import run_engine_bench_cli
+
+        return run_engine_bench_cli(args)
+    if args.command == "bench" and args.bench == "frontend":
+        from pdserve.bench.frontend import run_frontend_bench
+
+        return run_frontend_bench(args)
     return 2
 
 

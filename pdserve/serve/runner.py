@@ -1,12 +1,30 @@
-"""Start a server process: load the tokenizer, build the engine, run uvicorn."""
+"""Start a server: load the tokenizer, bring up the engine (in process or as a core process),
+run one or more uvicorn frontends.
+
+Layouts:
+
+* render server (no engine) and the scripted engine with one frontend: one process.
+* the torch engine, or ``--api-server-count N > 1``: the engine core runs in its own
+  process; the frontends (this process for N = 1, N spawned processes otherwise, all
+  listening on the same port with SO_REUSEPORT) reach it through EngineCoreClient.
+  The supervisor stops everything when any part exits or on SIGINT/SIGTERM.
+"""
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
+import signal
+import socket
 import sys
+import time
+from dataclasses import replace
+from typing import Any
 
 import uvicorn
 
+from pdserve.engine.api import Engine, EngineError
 from pdserve.engine.factory import build_engine
 from pdserve.serve.app import create_app
 from pdserve.serve.config import ServerConfig
@@ -15,7 +33,7 @@ from pdserve.text.tokenizer import Tokenizer
 logger = logging.getLogger("pdserve")
 
 
-def load_parser_config(config: ServerConfig, tokenizer: Tokenizer | None):  # type: ignore[no-untyped-def]
+def load_parser_config(config: ServerConfig, tokenizer: Tokenizer | None) -> Any:
     """Validate --reasoning-parser/--tool-call-parser against the tokenizer at startup."""
     if not (config.reasoning_parser or config.tool_call_parser):
         return None
@@ -32,23 +50,122 @@ def load_parser_config(config: ServerConfig, tokenizer: Tokenizer | None):  # ty
     return parsers
 
 
+def resolve_model_tokenizer(config: ServerConfig) -> ServerConfig:
+    """For a model engine, build the model dir once (GGUF conversion) and read its tokenizer from it."""
+    spec = config.engine
+    if spec is None or spec.kind != "torch":
+        return config
+    from pdserve.engine.model_registry import resolve_model
+
+    model_dir = resolve_model(spec.model)
+    tokenizer = None if config.tokens_only else (config.tokenizer or str(model_dir))
+    return replace(config, tokenizer=tokenizer)
+
+
+def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def _serve_app(config: ServerConfig, engine: Engine | None, tokenizer: Tokenizer | None, parsers: Any,
+               sock: socket.socket) -> None:
+    app = create_app(config, engine, tokenizer)
+    app.state.pdserve.parser_config = parsers
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level=config.log_level, loop="uvloop", http="httptools", timeout_graceful_shutdown=5)
+    )
+    server.run(sockets=[sock])
+
+
+def _frontend_main(config: ServerConfig, index: int) -> None:
+    """Entry point of one spawned frontend process (connects to the running engine core)."""
+    from pdserve.engine.core import EngineCoreAddresses, EngineCoreClient
+
+    logging.basicConfig(level=config.log_level.upper(), format=f"%(asctime)s frontend-{index} %(levelname)s: %(message)s")
+    tokenizer = None if config.tokens_only or not config.tokenizer else Tokenizer.load(config.tokenizer)
+    parsers = load_parser_config(config, tokenizer)
+    assert config.engine_core_addresses is not None
+    engine = EngineCoreClient(EngineCoreAddresses(**config.engine_core_addresses))
+    _serve_app(config, engine, tokenizer, parsers, _bind(config.host, config.port, reuse_port=True))
+
+
 def run_server(config: ServerConfig) -> int:
     try:
+        config = resolve_model_tokenizer(config)
         tokenizer = None if config.tokens_only or not config.tokenizer else Tokenizer.load(config.tokenizer)
         parsers = load_parser_config(config, tokenizer)
-        engine = build_engine(config.engine) if config.engine is not None else None
+        if config.api_server_count < 1:
+            raise ValueError("--api-server-count must be at least 1")
+        spec = config.engine
+        if spec is None or (spec.kind == "scripted" and config.api_server_count == 1):
+            engine = build_engine(spec) if spec is not None else None
+            _serve_app(config, engine, tokenizer, parsers, _bind(config.host, config.port, reuse_port=False))
+            return 0
     except ValueError as e:
         print(f"pdserve: {e}", file=sys.stderr)
         return 2
-    app = create_app(config, engine, tokenizer)
-    app.state.pdserve.parser_config = parsers
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
-        loop="uvloop",
-        http="httptools",
-        timeout_graceful_shutdown=5,
-    )
-    return 0
+    return _run_with_core(config, tokenizer, parsers)
+
+
+def _run_with_core(config: ServerConfig, tokenizer: Tokenizer | None, parsers: Any) -> int:
+    from pdserve.engine.core import EngineCoreClient, start_engine_core
+
+    assert config.engine is not None
+    try:
+        handle = start_engine_core(config.engine)
+    except (EngineError, ValueError) as e:
+        print(f"pdserve: the engine core failed to start: {e}", file=sys.stderr)
+        return 2
+    config = replace(config, engine_core_addresses={"endpoint": handle.addresses.endpoint})
+    try:
+        if config.api_server_count == 1:
+            engine = EngineCoreClient(handle.addresses)
+            _serve_app(config, engine, tokenizer, parsers, _bind(config.host, config.port, reuse_port=False))
+            return 0
+        return _supervise_frontends(config, handle)
+    finally:
+        handle.shutdown()
+
+
+def _supervise_frontends(config: ServerConfig, handle: Any) -> int:
+    ctx = multiprocessing.get_context("spawn")
+    frontends = [
+        ctx.Process(target=_frontend_main, args=(config, i), name=f"pdserve-frontend-{i}", daemon=False)
+        for i in range(config.api_server_count)
+    ]
+    stopping = False
+
+    def _stop(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for proc in frontends:
+        proc.start()
+    logger.warning("pdserve: %d frontends on %s:%d, engine core pid %d", len(frontends), config.host, config.port,
+                   handle.process.pid)
+    code = 0
+    try:
+        while not stopping:
+            if any(not p.is_alive() for p in frontends):
+                code = 1
+                logger.error("pdserve: a frontend process exited; stopping")
+                break
+            time.sleep(0.2)
+    finally:
+        for proc in frontends:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)
+        for proc in frontends:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return code

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from fastapi import APIRouter, Request
@@ -15,10 +16,18 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> Response:
+    """200 while the engine runs; 503 once it is gone. Headers name the processes (for operators
+    and tests): this frontend's pid and, behind an engine-core process, the core's pid."""
     state = app_state(request)
+    headers = {"x-pdserve-pid": str(os.getpid())}
+    core_pid = getattr(state.engine, "core_pid", None)
+    if core_pid is not None:
+        headers["x-pdserve-core-pid"] = str(core_pid)
     if state.engine is not None and not state.engine.is_healthy():
-        return error_json("engine is not running", 503, "ServiceUnavailableError")
-    return Response(status_code=200)
+        response = error_json("engine is not running", 503, "ServiceUnavailableError")
+        response.headers.update(headers)
+        return response
+    return Response(status_code=200, headers=headers)
 
 
 @router.get("/v1/models")

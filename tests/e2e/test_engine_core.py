@@ -1,0 +1,143 @@
+"""The engine core process and its clients: routing, cross-client abort, death detection."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from pdserve.engine.api import EngineDeadError, EngineError, EngineOutput, EngineRequest, SequenceSampling
+from pdserve.engine.core import EngineCoreClient, EngineCoreHandle, start_engine_core
+from pdserve.engine.factory import EngineSpec
+
+PROMPT = [9707, 11, 1879, 0, 151644, 872, 198]
+
+
+def req(rid: str, prompt: list[int] = PROMPT, **sampling: object) -> EngineRequest:
+    return EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling=SequenceSampling(**sampling))  # type: ignore[arg-type]
+
+
+async def collect(client: EngineCoreClient, request: EngineRequest) -> list[EngineOutput]:
+    return [o async for o in client.generate(request)]
+
+
+def token_ids(outputs: list[EngineOutput]) -> list[int]:
+    return [t for o in outputs for t in o.new_token_ids]
+
+
+@pytest.fixture(scope="module")
+def core() -> Iterator[EngineCoreHandle]:
+    handle = start_engine_core(EngineSpec(kind="torch", model="qwen3-tiny", max_model_len=2048, max_num_seqs=8))
+    yield handle
+    handle.shutdown()
+
+
+def test_two_clients_get_their_own_answers_and_either_can_abort(core: EngineCoreHandle) -> None:
+    async def go() -> None:
+        a = await EngineCoreClient.connect(core.addresses)
+        b = await EngineCoreClient.connect(core.addresses)
+        try:
+            assert a.info == b.info == core.info and a.info.model_name == "qwen3-tiny"
+            assert a.core_pid == core.process.pid
+            ra, rb = await asyncio.gather(
+                collect(a, req("from-a", max_tokens=5, temperature=0)),
+                collect(b, req("from-b", max_tokens=7, temperature=0, n=2)),
+            )
+            assert {o.request_id for o in ra} == {"from-a"} and len(token_ids(ra)) == 5
+            assert {o.request_id for o in rb} == {"from-b"} and len(token_ids(rb)) == 14
+            assert token_ids(ra) == token_ids([o for o in rb if o.index == 0])[:5]
+
+            # A long request of client a, aborted by client b: a's stream ends with the abort output.
+            outputs: list[EngineOutput] = []
+            async for o in a.generate(req("long", max_tokens=1500, temperature=0)):
+                outputs.append(o)
+                if len(outputs) == 3:
+                    await b.abort(["long"])
+            assert outputs[-1].finish_reason == "abort" and len(outputs) < 1500
+
+            # An abort right behind the add (same connection, so ordered) still finds the request.
+            stream = a.generate(req("quick", max_tokens=1500, temperature=0))
+            first = asyncio.ensure_future(anext(stream))
+            await asyncio.sleep(0)  # the client sends the add
+            await a.abort(["quick"])
+            quick = [await first] + [o async for o in stream]
+            assert quick[-1].finish_reason == "abort" and len(quick) < 100
+
+            # Errors come back as EngineError; the core keeps serving.
+            with pytest.raises(EngineError, match="prompt_token_ids is empty"):
+                await collect(b, req("bad", prompt=[]))
+            await asyncio.sleep(0.6)  # a heartbeat carries the stats
+            assert b.stats().running_requests == 0 and b.is_healthy()
+        finally:
+            await a.shutdown()
+            await b.shutdown()
+        assert not a.is_healthy()
+
+    asyncio.run(go())
+
+
+def test_core_death_fails_in_flight_requests_promptly_and_new_ones_fast() -> None:
+    handle = start_engine_core(EngineSpec(kind="torch", model="qwen3-tiny", max_model_len=4096))
+
+    async def go() -> float:
+        client = await EngineCoreClient.connect(handle.addresses)
+        stream = client.generate(req("doomed", max_tokens=4000, temperature=0))
+        await anext(stream)
+        os.kill(handle.process.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(EngineDeadError, match=f"engine core process {handle.process.pid} exited"):
+            async for _ in stream:
+                pass
+        detected = time.monotonic() - killed
+        assert not client.is_healthy()
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            await anext(client.generate(req("after")))
+        assert time.monotonic() - started < 0.1
+        await client.shutdown()
+        return detected
+
+    try:
+        assert asyncio.run(go()) < 3.0
+    finally:
+        handle.shutdown()
+
+
+def test_startup_failure_reports_the_cause() -> None:
+    with pytest.raises(EngineError, match="unknown model 'no-such-model'"):
+        start_engine_core(EngineSpec(kind="torch", model="no-such-model"), ready_timeout=120)
+
+
+@pytest.mark.slow
+def test_smollm2_core_answers_through_the_client() -> None:
+    import json
+
+    import jinja2
+    from tokenizers import Tokenizer
+
+    from pdserve.engine.model_registry import resolve_model
+
+    model_dir = resolve_model("smollm2-135m")
+    template = json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.encode(jinja2.Template(template).render(messages=messages, add_generation_prompt=True)).ids
+    handle = start_engine_core(EngineSpec(kind="torch", model="smollm2-135m", max_model_len=1024))
+
+    async def go() -> list[EngineOutput]:
+        client = await EngineCoreClient.connect(handle.addresses)
+        try:
+            return await collect(client, req("paris", prompt=prompt, max_tokens=20, temperature=0, logprobs=1))
+        finally:
+            await client.shutdown()
+
+    try:
+        outputs = asyncio.run(go())
+    finally:
+        handle.shutdown()
+    assert "Paris" in tokenizer.decode(token_ids(outputs))
+    assert outputs[-1].finish_reason == "stop" and outputs[-1].new_logprobs[0].ranks[0] == 1
