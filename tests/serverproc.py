@@ -1,68 +1,29 @@
-"""Start real ``pdserve`` processes on loopback for e2e tests."""
+"""Real ``pdserve`` processes on loopback for e2e tests (the benchmark's launcher, plus test niceties)."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
-
-import httpx
-
-ROOT = Path(__file__).resolve().parent.parent
+from pdserve.bench.loadgen import ServerProcess as _Launcher
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """A ``pdserve`` subprocess; ``url`` once healthy. Use as a context manager."""
+class ServerProcess(_Launcher):
+    """``ServerProcess(*cli_args)`` started by ``with`` (or ``start()``); ``url`` once healthy."""
 
     def __init__(self, *args: str, api_key: str | None = None, startup_timeout: float = 120.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        self._args = list(args)
+        super().__init__("test", [*args, *(["--api-key", api_key] if api_key else [])])
         self._timeout = startup_timeout
-        self._log = tempfile.NamedTemporaryFile(prefix="pdserve-", suffix=".log", delete=False)
-        self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ServerProcess:
-        cmd = [sys.executable, "-m", "pdserve.serve.cli", *self._args, "--port", str(self.port)]
-        if self.api_key:
-            cmd += ["--api-key", self.api_key]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-        deadline = time.monotonic() + self._timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pdserve exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"pdserve did not become healthy in {self._timeout}s:\n{self.log()}")
+        self.spawn()
+        try:
+            self.wait_healthy(self._timeout)
+        except Exception:
+            self.stop()
+            raise
+        return self
 
     def log(self) -> str:
-        return Path(self._log.name).read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        return self.log_tail(100_000)
 
     def __enter__(self) -> ServerProcess:
         return self.start()

@@ -43,6 +43,7 @@ from pdserve.engine.api import (
     EngineRequest,
     EngineStats,
 )
+from pdserve.engine.channels import DONE, OutputChannels
 from pdserve.engine.factory import EngineSpec, build_engine
 
 HEARTBEAT_INTERVAL_S = 0.5
@@ -321,7 +322,6 @@ class _CoreServer:
 
 # -- the client -------------------------------------------------------------------------
 
-_DONE = object()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -356,7 +356,7 @@ class EngineCoreClient:
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
-        self._channels: dict[str, asyncio.Queue[Any]] = {}
+        self._channels = OutputChannels()
         self._tasks: list[asyncio.Task[None]] = []
         self._dead: EngineDeadError | None = None
         self._stats = EngineStats()
@@ -423,26 +423,15 @@ class EngineCoreClient:
         if self._sock is None:
             raise EngineDeadError("engine client is not connected (call start() first)")
         rid = request.request_id
-        if rid in self._channels:
-            raise EngineError(f"request id {rid!r} is already running")
-        channel: asyncio.Queue[Any] = asyncio.Queue()
-        self._channels[rid] = channel
-        self._send(Add(request))
-        complete = False
-        try:
-            while True:
-                item = await channel.get()
-                if item is _DONE:
-                    complete = True
-                    return
-                if isinstance(item, EngineError):
-                    complete = True
-                    raise item
-                yield item
-        finally:
-            del self._channels[rid]
-            if not complete and self._dead is None:
+
+        def abandon() -> None:
+            if self._dead is None:
                 self._send(Abort([rid]))
+
+        # aclosing: closing this iterator must close the channel's at once (its cleanup aborts).
+        async with contextlib.aclosing(self._channels.stream(rid, lambda: self._send(Add(request)), abandon)) as outputs:
+            async for output in outputs:
+                yield output
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -461,14 +450,14 @@ class EngineCoreClient:
                 continue
             if isinstance(message, Outputs):
                 for output in message.outputs:
-                    self._put(output.request_id, output)
+                    self._channels.put(output.request_id, output)
                 for rid in message.done:
-                    self._put(rid, _DONE)
+                    self._channels.put(rid, DONE)
             elif isinstance(message, Heartbeat):
                 self._stats = message.stats
             elif isinstance(message, RequestFailed):
                 error = EngineDeadError if message.dead else EngineError
-                self._put(message.request_id, error(message.message))
+                self._channels.put(message.request_id, error(message.message))
             elif isinstance(message, CoreDead):
                 self._die(f"engine core reported its engine dead: {message.message}")
                 return
@@ -481,17 +470,11 @@ class EngineCoreClient:
             elif time.monotonic() - self._last_heard > HEARTBEAT_TIMEOUT_S:
                 self._die(f"engine core process {self.core_pid} sent no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f}s")
 
-    def _put(self, rid: str, item: Any) -> None:
-        channel = self._channels.get(rid)
-        if channel is not None:
-            channel.put_nowait(item)
-
     def _die(self, reason: str) -> None:
         if self._dead is not None:
             return
         self._dead = EngineDeadError(reason)
-        for channel in self._channels.values():
-            channel.put_nowait(self._dead)
+        self._channels.fail_all(self._dead)
 
     def _close_socket(self) -> None:
         if self._sock is not None:

@@ -35,6 +35,7 @@ from pdserve.engine.api import (
     PositionLogprobs,
     SequenceSampling,
 )
+from pdserve.engine.channels import DONE, OutputChannels
 from pdserve.engine.factory import EngineSpec
 from pdserve.engine.model_registry import model_display_name, resolve_model
 from pdserve.engine.models import KVCache, LlamaForCausalLM, load_model, model_config
@@ -53,7 +54,6 @@ GREEDY_TEMPERATURE = 1e-5
 # top-p first looks at this many candidates and sorts the whole vocab only if they hold too little mass.
 TOP_P_CANDIDATES = 1024
 
-_DONE = object()  # end of a request's output stream
 log = logging.getLogger(__name__)
 
 
@@ -119,7 +119,7 @@ class StepLoop:
     """Scheduler + model + sampler; every method runs on the engine thread.
 
     ``step()`` returns ``(request_id, item)`` pairs where ``item`` is an EngineOutput or
-    ``_DONE`` (that request will produce nothing more).
+    ``DONE`` (that request will produce nothing more).
     """
 
     def __init__(
@@ -293,7 +293,7 @@ class StepLoop:
         self._out.append((output.request_id, output))
 
     def _emit_done(self, request_id: str) -> None:
-        self._out.append((request_id, _DONE))
+        self._out.append((request_id, DONE))
 
     def _take_outputs(self) -> list[tuple[str, Any]]:
         out, self._out = self._out, []
@@ -398,7 +398,7 @@ class TorchEngine:
             eos_token_ids=list(self._facts.eos_token_ids),
         )
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._channels: dict[str, asyncio.Queue[Any]] = {}
+        self._channels = OutputChannels()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: EngineDeadError | None = None
@@ -456,26 +456,15 @@ class TorchEngine:
             raise EngineDeadError("engine is not running (call start() first)")
         self._validate(request)
         rid = request.request_id
-        if rid in self._channels:
-            raise EngineError(f"request id {rid!r} is already running")
-        channel: asyncio.Queue[Any] = asyncio.Queue()
-        self._channels[rid] = channel
-        self._inbox.put(("add", request))
-        complete = False
-        try:
-            while True:
-                item = await channel.get()
-                if item is _DONE:
-                    complete = True
-                    return
-                if isinstance(item, EngineError):
-                    complete = True
-                    raise item
-                yield item
-        finally:
-            del self._channels[rid]
-            if not complete and self._dead is None:
+
+        def abandon() -> None:
+            if self._dead is None:
                 self._inbox.put(("abort", [rid]))
+
+        # aclosing: closing this iterator must close the channel's at once (its cleanup aborts).
+        async with contextlib.aclosing(self._channels.stream(rid, lambda: self._inbox.put(("add", request)), abandon)) as outputs:
+            async for output in outputs:
+                yield output
 
     def _validate(self, request: EngineRequest) -> None:
         """Reject what would break a step (bad ids, impossible lengths) before it reaches the loop."""
@@ -561,11 +550,8 @@ class TorchEngine:
 
     def _deliver(self, items: list[tuple[str, Any]]) -> None:
         for rid, item in items:
-            channel = self._channels.get(rid)
-            if channel is not None:  # its iterator may have been closed already
-                channel.put_nowait(item)
+            self._channels.put(rid, item)
 
     def _fail_all(self, error: EngineError) -> None:
         self._dead = self._dead or (error if isinstance(error, EngineDeadError) else EngineDeadError(str(error)))
-        for channel in self._channels.values():
-            channel.put_nowait(error)
+        self._channels.fail_all(error)
