@@ -190,25 +190,13 @@ class ChatParser:
         if not self.active:
             return ChatMessage(content=text), self._resolve_finish_reason(finish_reason, False)
         pipeline = self._pipeline()
-        reasoning: list[str] = []
-        content: list[str] = []
-        calls: dict[int, tuple[str, list[str]]] = {}
-        for event in self._visible(pipeline.run(text, finish=True)):
-            if isinstance(event, Reasoning):
-                reasoning.append(event.text)
-            elif isinstance(event, Content):
-                content.append(event.text)
-            elif isinstance(event, ToolStart):
-                calls[event.index] = (event.name, [])
-            else:
-                calls[event.index][1].append(event.text)
+        reasoning, content, calls = _fold(self._visible(pipeline.run(text, finish=True)))
         tool_calls: list[ToolCall] = []
         if pipeline.tools is not None:
             finalize = pipeline.tools.finalize_arguments
-            tool_calls = [
-                ToolCall(function=FunctionCall(name=name, arguments=finalize("".join(parts))))
-                for name, parts in calls.values()
-            ]
+            for name, parts in calls.values():
+                assert name is not None, "one pass over the whole text sees every call's start"
+                tool_calls.append(ToolCall(function=FunctionCall(name=name, arguments=finalize("".join(parts)))))
         message = ChatMessage(
             content="".join(content) or ("" if self._forced else None),
             reasoning="".join(reasoning) or None,
@@ -265,18 +253,7 @@ class ChatParser:
                 yield event
 
     def _delta(self, events: Iterable[Event]) -> DeltaMessage | None:
-        reasoning: list[str] = []
-        content: list[str] = []
-        calls: dict[int, tuple[str | None, list[str]]] = {}
-        for event in events:
-            if isinstance(event, Reasoning):
-                reasoning.append(event.text)
-            elif isinstance(event, Content):
-                content.append(event.text)
-            elif isinstance(event, ToolStart):
-                calls[event.index] = (event.name, [])
-            else:
-                calls.setdefault(event.index, (None, []))[1].append(event.text)
+        reasoning, content, calls = _fold(events)
         if not (reasoning or content or calls):
             return None
         tool_calls = []
@@ -301,3 +278,23 @@ class ChatParser:
         if tools_called and resolved == "stop" and not self._named_tool:
             return "tool_calls"
         return resolved
+
+
+def _fold(events: Iterable[Event]) -> tuple[list[str], list[str], dict[int, tuple[str | None, list[str]]]]:
+    """Group events into reasoning pieces, content pieces and per-call (name, argument pieces).
+
+    A call's name is None when only its arguments are in ``events`` (its start came earlier).
+    """
+    reasoning: list[str] = []
+    content: list[str] = []
+    calls: dict[int, tuple[str | None, list[str]]] = {}
+    for event in events:
+        if isinstance(event, Reasoning):
+            reasoning.append(event.text)
+        elif isinstance(event, Content):
+            content.append(event.text)
+        elif isinstance(event, ToolStart):
+            calls[event.index] = (event.name, [])
+        else:
+            calls.setdefault(event.index, (None, []))[1].append(event.text)
+    return reasoning, content, calls

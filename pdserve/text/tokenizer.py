@@ -24,7 +24,7 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class TokenizerNotFound(ValueError):
-    pass
+    """The tokenizer name or path does not lead to a tokenizer.json."""
 
 
 def _file_package_dir(package: str) -> Path | None:
