@@ -33,6 +33,14 @@ from pdserve.text.tokenizer import Tokenizer
 logger = logging.getLogger("pdserve")
 
 
+def load_tokenizer(config: ServerConfig) -> Tokenizer | None:
+    if config.tokens_only or not config.tokenizer:
+        return None
+    tokenizer = Tokenizer.load(config.tokenizer)
+    tokenizer.warm_tables()
+    return tokenizer
+
+
 def load_parser_config(config: ServerConfig, tokenizer: Tokenizer | None) -> Any:
     """Validate --reasoning-parser/--tool-call-parser against the tokenizer at startup."""
     if not (config.reasoning_parser or config.tool_call_parser):
@@ -88,7 +96,7 @@ def _frontend_main(config: ServerConfig, index: int) -> None:
     from pdserve.engine.core import EngineCoreAddresses, EngineCoreClient
 
     logging.basicConfig(level=config.log_level.upper(), format=f"%(asctime)s frontend-{index} %(levelname)s: %(message)s")
-    tokenizer = None if config.tokens_only or not config.tokenizer else Tokenizer.load(config.tokenizer)
+    tokenizer = load_tokenizer(config)
     parsers = load_parser_config(config, tokenizer)
     assert config.engine_core_addresses is not None
     engine = EngineCoreClient(EngineCoreAddresses(**config.engine_core_addresses))
@@ -98,7 +106,7 @@ def _frontend_main(config: ServerConfig, index: int) -> None:
 def run_server(config: ServerConfig) -> int:
     try:
         config = resolve_model_tokenizer(config)
-        tokenizer = None if config.tokens_only or not config.tokenizer else Tokenizer.load(config.tokenizer)
+        tokenizer = load_tokenizer(config)
         parsers = load_parser_config(config, tokenizer)
         if config.api_server_count < 1:
             raise ValueError("--api-server-count must be at least 1")

@@ -71,12 +71,17 @@ class LogprobDecoder:
         self.context: list[int] = list(context)[-REPAIR_CONTEXT:]
 
     def token_string(self, token_id: int) -> str:
+        return self._piece(token_id)[0]
+
+    def _piece(self, token_id: int) -> tuple[str, list[int]]:
+        """The id's string and its UTF-8 bytes: from the tables, re-decoded only for a split character."""
         if not self._tok.in_vocab(token_id):
-            return ""
+            return "", []
         piece = self._tok.token_strings[token_id]
         if piece.endswith(REPLACEMENT_CHAR):
-            return self._repair(token_id)
-        return piece
+            repaired = self._repair(token_id)
+            return repaired, list(repaired.encode("utf-8"))
+        return piece, self._tok.token_bytes[token_id]
 
     def _repair(self, token_id: int) -> str:
         """Decode a byte-fallback piece with up to 4 preceding sampled ids, keep only its own text."""
@@ -98,8 +103,8 @@ class LogprobDecoder:
         return ""
 
     def _entry(self, token_id: int, logprob: float) -> ChatCompletionLogProb:
-        token = self.token_string(token_id)
-        return ChatCompletionLogProb(token=token, logprob=clamp_logprob(logprob), bytes=list(token.encode("utf-8")))
+        token, token_bytes = self._piece(token_id)
+        return ChatCompletionLogProb(token=token, logprob=clamp_logprob(logprob), bytes=token_bytes)
 
     def chat_content(
         self, positions: Sequence[PositionLogprobs | None], sampled_ids: Sequence[int], top_limit: int | None

@@ -134,6 +134,10 @@ class Tokenizer:
         """``decode([id])`` for every id, computed once (one batch call)."""
         return self.hf.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
 
+    def warm_tables(self) -> None:
+        """Build the per-id tables now (a server does this at startup, not on its first logprob request)."""
+        _ = self.token_strings, self.token_bytes
+
     @cached_property
     def token_bytes(self) -> list[list[int]]:
         """UTF-8 bytes of each id's string (U+FFFD for partial byte pieces, as OpenAI reports)."""
