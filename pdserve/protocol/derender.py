@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Discriminator, Field, Tag, TypeAdapter
+from pydantic import BaseModel, Discriminator, Field, Tag, TypeAdapter, model_validator
 
 from pdserve.protocol.generate import GenerateTokensResponse, GenerateTokensStreamResponse
 from pdserve.protocol.openai import (
@@ -48,6 +48,14 @@ class DerenderStreamState(BaseModel):
     output_chunk_lens: list[int] = Field(default_factory=list)
     tools_streamed: bool = False
     last_tool_call_ids: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _chunks_cover_the_ids(self) -> DerenderStreamState:
+        if self.output_chunk_lens and (
+            any(n <= 0 for n in self.output_chunk_lens) or sum(self.output_chunk_lens) != len(self.output_token_ids)
+        ):
+            raise ValueError("output_chunk_lens must be positive and sum to len(output_token_ids)")
+        return self
 
 
 class DerenderChatStreamRequest(BaseModel):

@@ -53,7 +53,7 @@ def app_state(request: Request) -> AppState:
     return request.app.state.pdserve
 
 
-def _format_validation_error(err: ValidationError | RequestValidationError) -> str:
+def format_validation_error(err: ValidationError | RequestValidationError) -> str:
     parts = []
     for e in err.errors():
         loc = ".".join(str(x) for x in e.get("loc", ()) if x not in ("body",))
@@ -87,7 +87,7 @@ async def parse_body(request: Request, model: type[ModelT] | TypeAdapter[Any]) -
             return model.validate_python(data)
         return model.model_validate(data)
     except ValidationError as e:
-        raise RequestError(_format_validation_error(e)) from None
+        raise RequestError(format_validation_error(e)) from None
 
 
 def error_json(message: str, status: int, kind: str, param: str | None = None) -> JSONResponse:
@@ -107,7 +107,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_json(_format_validation_error(exc), 400, "BadRequestError")
+        return error_json(format_validation_error(exc), 400, "BadRequestError")
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:

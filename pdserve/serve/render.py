@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
+
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import GenerateRequest, ParseContext, ReasoningParserKwargs
 from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from pdserve.protocol.sampling import SamplingParams
-from pdserve.serve.app import AppState
+from pdserve.serve.app import AppState, format_validation_error
 from pdserve.text.tokenizer import Tokenizer
 
 
@@ -47,8 +49,8 @@ def _sampling(fields: dict[str, Any]) -> SamplingParams:
     """Build wire sampling params, keeping only what the client set (msgspec omit-defaults style)."""
     try:
         return SamplingParams.model_validate({k: v for k, v in fields.items() if v is not None})
-    except ValueError as e:
-        raise RequestError(str(e)) from None
+    except ValidationError as e:
+        raise RequestError(format_validation_error(e)) from None
 
 
 def _shared_sampling_fields(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None) -> dict[str, Any]:
@@ -102,6 +104,25 @@ def parsers_active(state: AppState, chat: ChatCompletionRequest) -> bool:
     return parsers.reasoning_parser is not None or chat.tool_choice != "none"
 
 
+def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages with OpenAI content-part lists flattened to strings (text parts only), so text chat
+    templates can render them."""
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise RequestError(
+                        f"messages[{i}].content: only text content parts are supported", param="messages"
+                    )
+                texts.append(part["text"])
+            message = {**message, "content": "".join(texts)}
+        out.append(message)
+    return out
+
+
 def render_chat(state: AppState, chat: ChatCompletionRequest, request_id: str | None = None) -> GenerateRequest:
     tokenizer = require_tokenizer(state)
     _check_tool_choice(state, chat)
@@ -109,7 +130,7 @@ def render_chat(state: AppState, chat: ChatCompletionRequest, request_id: str | 
     tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
     try:
         prompt = tokenizer.apply_chat_template(
-            chat.messages,
+            text_messages(chat.messages),
             tools=tools,
             add_generation_prompt=chat.add_generation_prompt,
             continue_final_message=chat.continue_final_message,

@@ -144,3 +144,31 @@ def test_render_server_has_no_generate(tmp_path) -> None:  # type: ignore[no-unt
         comps = httpx.post(srv.url + "/v1/completions/render", json={"prompt": ["a", "b c"]}).json()
         assert [c["request_id"].rsplit("-", 1)[1] for c in comps] == ["0", "1"]
         assert [tok.decode(c["token_ids"]) for c in comps] == ["a", "b c"]
+
+
+def test_more_bad_input_is_400(server) -> None:  # type: ignore[no-untyped-def]
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(server.url + path, json=body, headers=server.headers, timeout=30)
+
+    r = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "n: Input should be greater than or equal to 1"
+    r = post("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+    assert r.status_code == 400 and "only text content parts" in r.json()["error"]["message"]
+    chunk = {"request_id": "r", "choices": [{"index": 0, "token_ids": [10**9]}]}
+    r = post("/v1/completions/derender", {"stream": True, "generate_chunk": chunk})
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+    chunk["choices"][0]["token_ids"] = [1]
+    state = {"output_token_ids": [1, 2], "output_chunk_lens": [5]}
+    r = post("/v1/chat/completions/derender", {"stream": True, "generate_chunk": chunk, "stream_state": state,
+                                               "chat_request": {"messages": []}, "prompt_token_ids": [1]})
+    assert r.status_code == 400 and "output_chunk_lens" in r.json()["error"]["message"]
+
+
+def test_text_content_parts_render_like_strings(server) -> None:  # type: ignore[no-untyped-def]
+    def render(content: object) -> list[int]:
+        r = httpx.post(server.url + "/v1/chat/completions/render", headers=server.headers,
+                       json={"messages": [{"role": "user", "content": content}]})
+        assert r.status_code == 200, r.text
+        return r.json()["token_ids"]
+
+    assert render([{"type": "text", "text": "Hello "}, {"type": "text", "text": "world"}]) == render("Hello world")

@@ -177,10 +177,18 @@ async def chat_derender(request: Request) -> JSONResponse:
     return JSONResponse(response.model_dump(mode="json"))
 
 
-def _stream_choice(chunk_choices: list[GenerateTokensStreamChoice]) -> GenerateTokensStreamChoice | None:
+def _stream_choice(
+    state: AppState, chunk_choices: list[GenerateTokensStreamChoice]
+) -> GenerateTokensStreamChoice | None:
     if len(chunk_choices) > 1:
         raise RequestError("a streamed generate chunk carries one choice; send each choice's chunks separately")
-    return chunk_choices[0] if chunk_choices else None
+    if not chunk_choices:
+        return None
+    choice = chunk_choices[0]
+    vocab = state.tokenizer.vocab_size  # type: ignore[union-attr]
+    if any(t < 0 or t >= vocab for t in choice.token_ids or []):
+        raise RequestError(f"choice {choice.index} has token ids outside the vocabulary")
+    return choice
 
 
 def _replayed_choice(
@@ -253,7 +261,7 @@ def _chat_derender_stream(req: DerenderChatStreamRequest, state: AppState) -> JS
         raise RequestError("prompt_token_ids (the full prompt) is required when a parser is configured")
     previous = req.stream_state or DerenderStreamState()
     gchunk = req.generate_chunk
-    choice = _stream_choice(gchunk.choices)
+    choice = _stream_choice(state, gchunk.choices)
     prompt_ids = req.prompt_token_ids or gchunk.prompt_token_ids or []
     model = req.model or state.model_name
     usage = None
@@ -334,7 +342,7 @@ def _completion_derender_stream(req: DerenderCompletionStreamRequest, state: App
                            "output_mode='text'", param="completion_request.stop")
     previous = req.stream_state or DerenderStreamState()
     gchunk = req.generate_chunk
-    choice = _stream_choice(gchunk.choices)
+    choice = _stream_choice(state, gchunk.choices)
     prompt_ids = req.prompt_token_ids or gchunk.prompt_token_ids or []
     if len(prompt_ids) > _max_len(state):
         raise RequestError("prompt_token_ids is longer than the model length")
