@@ -94,15 +94,12 @@ def _stream_tag(value: Any) -> str:
     return "stream" if getattr(value, "stream", False) else "batch"
 
 
-chat_derender_adapter: TypeAdapter[Any] = TypeAdapter(
-    Annotated[
-        Annotated[DerenderChatRequest, Tag("batch")] | Annotated[DerenderChatStreamRequest, Tag("stream")],
-        Discriminator(_stream_tag),
-    ]
-)
-completion_derender_adapter: TypeAdapter[Any] = TypeAdapter(
-    Annotated[
-        Annotated[DerenderCompletionRequest, Tag("batch")] | Annotated[DerenderCompletionStreamRequest, Tag("stream")],
-        Discriminator(_stream_tag),
-    ]
-)
+def _batch_or_stream(batch: type[BaseModel], stream: type[BaseModel]) -> TypeAdapter[Any]:
+    """One endpoint body: the batch request, or the streaming one when ``stream`` is true."""
+    return TypeAdapter(
+        Annotated[Annotated[batch, Tag("batch")] | Annotated[stream, Tag("stream")], Discriminator(_stream_tag)]
+    )
+
+
+chat_derender_adapter = _batch_or_stream(DerenderChatRequest, DerenderChatStreamRequest)
+completion_derender_adapter = _batch_or_stream(DerenderCompletionRequest, DerenderCompletionStreamRequest)

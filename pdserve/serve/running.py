@@ -7,16 +7,18 @@ goes away cancels the drivers, whose cleanup aborts the engine requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from pdserve.engine.api import EngineError, EngineRequest
 from pdserve.output.driver import drive
 from pdserve.output.request_state import ChoiceUpdate, RequestState
-from pdserve.serve.app import AppState
+from pdserve.serve.app import AppState, error_event
+from pdserve.serve.sse import DONE, sse_event
 
 Prepared = tuple[EngineRequest, RequestState]
 
@@ -77,6 +79,33 @@ async def respond_batch(
     finally:
         state.metrics.running.dec()
         state.metrics.requests.labels(*labels, status).inc()
+
+
+def respond_stream(state: AppState, labels: tuple[str, str], events: AsyncIterator[str]) -> StreamingResponse:
+    """SSE response around an endpoint's events: the running gauge, an engine error as a final
+    ``data: {"error": ...}`` event, ``data: [DONE]`` last, and the request counted under ``labels``
+    with its status: 200, 500 (engine error) or 499 (client left)."""
+
+    async def framed() -> AsyncIterator[str]:
+        state.metrics.running.inc()
+        status = "200"
+        try:
+            # aclosing: a client that leaves closes the endpoint's events (and its drivers) at once.
+            async with contextlib.aclosing(events) as inner:
+                async for event in inner:
+                    yield event
+        except EngineError as e:
+            status = "500"
+            yield sse_event(error_event(f"engine error: {e}", 500, "InternalServerError"))
+        except asyncio.CancelledError:
+            status = "499"
+            raise
+        finally:
+            state.metrics.running.dec()
+            state.metrics.requests.labels(*labels, status).inc()
+        yield DONE
+
+    return StreamingResponse(framed(), media_type="text/event-stream")
 
 
 async def merged_updates(state: AppState, prepared: Sequence[Prepared]) -> AsyncIterator[tuple[int, ChoiceUpdate]]:

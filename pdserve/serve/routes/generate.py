@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, BackgroundTasks, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
-from pdserve.engine.api import EngineError, EngineRequest, SequenceSampling
+from pdserve.engine.api import EngineRequest, SequenceSampling
 from pdserve.output.driver import drive
 from pdserve.output.generate_builders import batch_response, stream_chunk, usage_of
 from pdserve.output.request_state import OutputConfig, RequestState
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import AbortRequest, GenerateRequest, GenerateResponseBase
-from pdserve.serve.app import AppState, app_state, error_event, parse_body
+from pdserve.serve.app import AppState, app_state, parse_body
 from pdserve.serve.parsing import chat_parser_factory
-from pdserve.serve.running import respond_batch
-from pdserve.serve.sse import DONE, sse_event
+from pdserve.serve.running import respond_batch, respond_stream
+from pdserve.serve.sse import sse_event
 from pdserve.serve.validation import resolve_max_tokens, validate_generate
 from pdserve.text.detokenizer import StopConfig
 from pdserve.text.logprobs import prompt_logprob_dicts
@@ -106,7 +105,7 @@ async def generate(request: Request) -> Response:
         "prompt_token_ids": req.token_ids if req.return_token_ids else None,
     }
     if req.stream:
-        return StreamingResponse(_stream(state, req, ereq, rstate), media_type="text/event-stream")
+        return respond_stream(state, ("generate", req.output_mode), _stream(state, req, ereq, rstate))
     return await respond_batch(
         request, state, [(ereq, rstate)], ("generate", req.output_mode), _batch_builder(state, rstate, base)
     )
@@ -130,40 +129,27 @@ async def _stream(state: AppState, req: GenerateRequest, ereq: EngineRequest, rs
     prompt_len = len(req.token_ids)
     seen: set[int] = set()
     first_chunk = True
-    status = "200"
-    state.metrics.running.inc()
-    try:
-        async for update in drive(engine, ereq, rstate):
-            if update.is_empty():
-                continue
-            state.metrics.tokens_out.inc(len(update.token_ids))
-            usage = None
-            if continuous:
-                usage = usage_of(prompt_len, len(rstate.choices[update.index].token_ids))
-            chunk = stream_chunk(rstate, update, usage, first_for_choice=update.index not in seen)
-            seen.add(update.index)
-            if first_chunk and req.return_token_ids:
-                chunk["prompt_token_ids"] = req.token_ids
-            first_chunk = False
-            yield sse_event(chunk)
-        if include_usage:
-            usage_chunk: dict[str, Any] = {
-                "request_id": rstate.request_id,
-                "output_mode": req.output_mode,
-                "choices": [],
-                "usage": usage_of(prompt_len, rstate.completion_tokens).model_dump(exclude_none=True),
-            }
-            yield sse_event(usage_chunk)
-    except EngineError as e:
-        status = "500"
-        yield sse_event(error_event(f"engine error: {e}", 500, "InternalServerError"))
-    except asyncio.CancelledError:
-        status = "499"
-        raise
-    finally:
-        state.metrics.running.dec()
-        state.metrics.requests.labels("generate", req.output_mode, status).inc()
-    yield DONE
+    async for update in drive(engine, ereq, rstate):
+        if update.is_empty():
+            continue
+        state.metrics.tokens_out.inc(len(update.token_ids))
+        usage = None
+        if continuous:
+            usage = usage_of(prompt_len, len(rstate.choices[update.index].token_ids))
+        chunk = stream_chunk(rstate, update, usage, first_for_choice=update.index not in seen)
+        seen.add(update.index)
+        if first_chunk and req.return_token_ids:
+            chunk["prompt_token_ids"] = req.token_ids
+        first_chunk = False
+        yield sse_event(chunk)
+    if include_usage:
+        usage_chunk: dict[str, Any] = {
+            "request_id": rstate.request_id,
+            "output_mode": req.output_mode,
+            "choices": [],
+            "usage": usage_of(prompt_len, rstate.completion_tokens).model_dump(exclude_none=True),
+        }
+        yield sse_event(usage_chunk)
 
 
 async def _abort(request: Request, background: BackgroundTasks) -> Response:

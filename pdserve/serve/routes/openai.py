@@ -6,9 +6,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
-from pdserve.engine.api import EngineError
 from pdserve.output.generate_builders import usage_of
 from pdserve.output.openai_builders import (
     chat_chunk,
@@ -19,11 +18,11 @@ from pdserve.output.openai_builders import (
 )
 from pdserve.protocol.generate import GenerateRequest
 from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest
-from pdserve.serve.app import app_state, error_event, parse_body
+from pdserve.serve.app import app_state, parse_body
 from pdserve.serve.render import render_chat, render_completion
 from pdserve.serve.routes.generate import prepare
-from pdserve.serve.running import merged_updates, respond_batch
-from pdserve.serve.sse import DONE, sse_event
+from pdserve.serve.running import merged_updates, respond_batch, respond_stream
+from pdserve.serve.sse import sse_event
 from pdserve.serve.validation import validate_generate
 
 render_router = APIRouter()
@@ -74,32 +73,24 @@ async def chat_completions(request: Request) -> Response:
     async def events() -> AsyncIterator[str]:
         model = state.model_name
         prompt_len = len(gen.token_ids)
-        state.metrics.running.inc()
-        try:
-            for i in range(len(rstate.choices)):
-                yield sse_event(chat_role_chunk(response_id, model, i))
-            async for _, update in merged_updates(state, prepared):
-                state.metrics.tokens_out.inc(len(update.token_ids))
-                no_delta = update.delta is None or update.delta.is_empty()
-                # A step whose text the parser holds back still carries its logprobs/ids: send it.
-                if no_delta and not update.finished and not update.decoded_logprobs and not (
-                    return_ids and update.token_ids
-                ):
-                    continue
-                usage = usage_of(prompt_len, len(rstate.choices[update.index].token_ids)) if continuous else None
-                yield sse_event(chat_chunk(rstate, update, response_id, model, return_ids, usage))
-            if include_usage:
-                usage_chunk = {"id": response_id, "object": "chat.completion.chunk", "model": model, "choices": [],
-                               "usage": usage_of(prompt_len, rstate.completion_tokens).model_dump(exclude_none=True)}
-                yield sse_event(usage_chunk)
-        except EngineError as e:
-            yield sse_event(error_event(f"engine error: {e}", 500, "InternalServerError"))
-        finally:
-            state.metrics.running.dec()
-            state.metrics.requests.labels("chat", "derender", "200").inc()
-        yield DONE
+        for i in range(len(rstate.choices)):
+            yield sse_event(chat_role_chunk(response_id, model, i))
+        async for _, update in merged_updates(state, prepared):
+            state.metrics.tokens_out.inc(len(update.token_ids))
+            no_delta = update.delta is None or update.delta.is_empty()
+            # A step whose text the parser holds back still carries its logprobs/ids: send it.
+            if no_delta and not update.finished and not update.decoded_logprobs and not (
+                return_ids and update.token_ids
+            ):
+                continue
+            usage = usage_of(prompt_len, len(rstate.choices[update.index].token_ids)) if continuous else None
+            yield sse_event(chat_chunk(rstate, update, response_id, model, return_ids, usage))
+        if include_usage:
+            usage_chunk = {"id": response_id, "object": "chat.completion.chunk", "model": model, "choices": [],
+                           "usage": usage_of(prompt_len, rstate.completion_tokens).model_dump(exclude_none=True)}
+            yield sse_event(usage_chunk)
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return respond_stream(state, ("chat", "derender"), events())
 
 
 @coupled_router.post("/v1/completions")
@@ -126,28 +117,18 @@ async def completions(request: Request) -> Response:
     async def events() -> AsyncIterator[str]:
         model = state.model_name
         offsets: dict[int, int] = {}
-        state.metrics.running.inc()
-        try:
-            async for k, update in merged_updates(state, prepared):
-                state.metrics.tokens_out.inc(len(update.token_ids))
-                if not update.text and not update.finished and not update.token_ids:
-                    continue
-                index = k * n + update.index
-                offset = offsets.get(index, 0)
-                yield sse_event(
-                    completion_chunk(states[k], update, index, offset, response_id, model, return_ids, None)
-                )
-                offsets[index] = offset + len(update.text)
-            if include_usage:
-                prompt_tokens = sum(len(s.config.prompt_token_ids) for s in states)
-                usage = usage_of(prompt_tokens, sum(s.completion_tokens for s in states))
-                yield sse_event({"id": response_id, "object": "text_completion", "model": model, "choices": [],
-                                 "usage": usage.model_dump(exclude_none=True)})
-        except EngineError as e:
-            yield sse_event(error_event(f"engine error: {e}", 500, "InternalServerError"))
-        finally:
-            state.metrics.running.dec()
-            state.metrics.requests.labels("completions", "text", "200").inc()
-        yield DONE
+        async for k, update in merged_updates(state, prepared):
+            state.metrics.tokens_out.inc(len(update.token_ids))
+            if not update.text and not update.finished and not update.token_ids:
+                continue
+            index = k * n + update.index
+            offset = offsets.get(index, 0)
+            yield sse_event(completion_chunk(states[k], update, index, offset, response_id, model, return_ids, None))
+            offsets[index] = offset + len(update.text)
+        if include_usage:
+            prompt_tokens = sum(len(s.config.prompt_token_ids) for s in states)
+            usage = usage_of(prompt_tokens, sum(s.completion_tokens for s in states))
+            yield sse_event({"id": response_id, "object": "text_completion", "model": model, "choices": [],
+                             "usage": usage.model_dump(exclude_none=True)})
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return respond_stream(state, ("completions", "text"), events())
