@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
+import httpx
+
 from pdserve.bench.loadgen import ServerProcess as _Launcher
 
 
@@ -30,6 +34,24 @@ class ServerProcess(_Launcher):
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def metric(self, name: str, missing: float | None = None, via: httpx.Client | None = None) -> float:
+        """The value of one ``/metrics`` sample, ``name`` written as exposed (labels included).
+
+        A labelled counter has no sample until it is first counted: pass ``missing=0`` for it,
+        so that a misspelt name still fails everywhere else. ``via``: ask over that client's
+        open connection (with several frontends, that is how to ask one particular process).
+        """
+        url = self.url + "/metrics"
+        if via is None:
+            text = httpx.get(url, headers=self.headers, timeout=10).text
+        else:
+            text = via.get(url, headers=self.headers, timeout=10).text
+        found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        if found is None and missing is not None:
+            return missing
+        assert found, f"{name} missing from /metrics"
+        return float(found.group(1))
 
     @property
     def headers(self) -> dict[str, str]:

@@ -7,7 +7,7 @@ the same values cross the ZMQ boundary to the engine-core process unchanged.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
@@ -26,9 +26,48 @@ class SequenceSampling(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    # Logits processing (vLLM semantics): penalties over the output (presence, frequency) and over
+    # prompt + output (repetition), additive per-id bias, an allow-list, and banned id sequences
+    # (bad_words tokenized by the frontend; the last id of a sequence is banned when the output
+    # ends with the ones before it).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     # Number of top candidates per sampled position (None = no logprobs, -1 = whole vocab).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+
+    def logits_problems(self, vocab_size: int) -> list[str]:
+        """What is wrong with the logits-processing params (vLLM's rules); every engine's validation
+        calls it, so the rules are written once."""
+        problems = []
+        for name, value in (("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)):
+            if not -2.0 <= value <= 2.0:
+                problems.append(f"{name} must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            problems.append("repetition_penalty must be greater than zero")
+
+        def outside(ids: Iterable[int]) -> bool:
+            return any(not 0 <= t < vocab_size for t in ids)
+
+        if self.logit_bias and outside(self.logit_bias):
+            problems.append(f"logit_bias token ids must be in [0, {vocab_size})")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                problems.append("allowed_token_ids must not be empty")
+            elif outside(self.allowed_token_ids):
+                problems.append(f"allowed_token_ids must be in [0, {vocab_size})")
+        words = self.bad_words_token_ids or []
+        if any(not word for word in words):
+            problems.append("bad_words_token_ids must not contain an empty sequence")
+        elif any(outside(word) for word in words):
+            problems.append(f"bad_words_token_ids must be in [0, {vocab_size})")
+        elif self.allowed_token_ids and set(self.allowed_token_ids) <= {w[0] for w in words if len(w) == 1}:
+            problems.append("bad_words_token_ids ban every id in allowed_token_ids")
+        return problems
 
 
 class EngineRequest(msgspec.Struct, kw_only=True):
@@ -84,6 +123,8 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     max_model_len: int
     max_num_seqs: int
     eos_token_ids: list[int]
+    # Threads the model's ops run on (sized from the engine process's CPU affinity); None: no model.
+    intra_op_threads: int | None = None
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

@@ -22,6 +22,7 @@ class EngineSpec(msgspec.Struct, kw_only=True):
     max_num_seqs: int = 16
     dtype: str = "bfloat16"
     seed: int = 0
+    batch_invariant: bool = False  # torch: fixed-shape matmuls (see docs/engine.md)
 
 
 def build_engine(spec: EngineSpec) -> Engine:

@@ -90,7 +90,8 @@ def completion_response(
         prompt_tokens += len(rstate.config.prompt_token_ids)
         completion_tokens += rstate.completion_tokens
         for c in rstate.choices:
-            logprobs = completion_logprobs(c.decoded_logprobs) if rstate.config.want_logprobs else None
+            # Per choice: a derendered response may carry logprobs on some choices only.
+            logprobs = completion_logprobs(c.decoded_logprobs) if c.config.want_logprobs else None
             choices.append(
                 CompletionResponseChoice(
                     index=len(choices),

@@ -120,9 +120,9 @@ class ChoiceState:
         if self.finished:
             return None
         before = len(self.token_ids)
-        finish, stop_reason = out.finish_reason, out.stop_reason
+        finish = out.finish_reason
+        stop_terminated, stop_reason = self.config.stop.stop_token_end(finish, out.stop_reason, out.new_token_ids)
         if self.detok is not None:
-            stop_terminated = finish == "stop" and not isinstance(stop_reason, str)
             self.detok.update(out.new_token_ids, stop_terminated)
             accepted = self.detok.output_ids[before:]
             if self.detok.stopped:

@@ -17,6 +17,11 @@ Assembly follows vLLM 0.33 (reference sections 9.2-9.6):
   stays content) while qwen3_coder still strips its markup;
 * ``parallel_tool_calls=false`` keeps only the first call;
 * a forced choice (required/named) reports content ``""`` instead of null;
+* a batch message without reasoning text reports reasoning ``""`` for
+  deepseek_r1 (when it parsed reasoning) and null otherwise, as vLLM does; a
+  stream never sends an empty delta, so it folds to null either way;
+* tool parsers learn whether the output was cut by ``length`` (hermes keeps a
+  call cut short after its name, but not one the model left broken);
 * finish reason ``stop`` (or none) becomes ``tool_calls`` when calls were
   kept, unless the tool was named; ``length`` and others stay.
 
@@ -98,7 +103,8 @@ class _Pipeline:
     def scanned(self) -> int:
         return sum(stage.scanned for stage in (self.reasoning, self.tools) if stage is not None)
 
-    def run(self, text: str, finish: bool) -> list[Event]:
+    def run(self, text: str, finish_reason: str | None, finished: bool) -> list[Event]:
+        """Events for the next piece of output; ``finished`` flushes everything held back."""
         first: list[Event] = []
         if self.reasoning is None:
             if text:
@@ -106,7 +112,7 @@ class _Pipeline:
         else:
             if text:
                 self.reasoning.feed(text, first)
-            if finish:
+            if finished:
                 self.reasoning.finish(first)
         if self.tools is None:
             return first
@@ -116,8 +122,8 @@ class _Pipeline:
                 self.tools.feed(event.text, out)
             else:
                 out.append(event)
-        if finish:
-            self.tools.finish(out)
+        if finished:
+            self.tools.finish(out, cut=finish_reason == "length")
         return out
 
 
@@ -190,7 +196,7 @@ class ChatParser:
         if not self.active:
             return ChatMessage(content=text), self._resolve_finish_reason(finish_reason, False)
         pipeline = self._pipeline()
-        reasoning, content, calls = _fold(self._visible(pipeline.run(text, finish=True)))
+        reasoning, content, calls = _fold(self._visible(pipeline.run(text, finish_reason, finished=True)))
         tool_calls: list[ToolCall] = []
         if pipeline.tools is not None:
             finalize = pipeline.tools.finalize_arguments
@@ -199,7 +205,7 @@ class ChatParser:
                 tool_calls.append(ToolCall(function=FunctionCall(name=name, arguments=finalize("".join(parts)))))
         message = ChatMessage(
             content="".join(content) or ("" if self._forced else None),
-            reasoning="".join(reasoning) or None,
+            reasoning="".join(reasoning) or self._empty_reasoning(pipeline),
             tool_calls=tool_calls,
         )
         return message, self._resolve_finish_reason(finish_reason, bool(tool_calls))
@@ -226,7 +232,7 @@ class ChatParser:
             return (DeltaMessage(content=delta_text) if delta_text else None), finish_reason
         if self._stream is None:
             self._stream = self._pipeline()
-        delta = self._delta(self._visible(self._stream.run(delta_text, finished)))
+        delta = self._delta(self._visible(self._stream.run(delta_text, finish_reason, finished)))
         resolved = self._resolve_finish_reason(finish_reason, self.tools_streamed) if finished else None
         return delta, resolved
 
@@ -240,6 +246,16 @@ class ChatParser:
             reasoning = self._reasoning_class(self._vocab, request.chat_template_kwargs, self._prompt_token_ids)
         tools = self._tool_class(request.tools) if self._tool_class is not None else None
         return _Pipeline(reasoning, tools)
+
+    def _empty_reasoning(self, pipeline: _Pipeline) -> str | None:
+        """What a batch message reports when no reasoning text came: ``""`` or None, per parser (as vLLM).
+
+        A stream cannot carry an empty string, so its folded reasoning is None either way.
+        """
+        reasoning = pipeline.reasoning
+        if reasoning is not None and self._include_reasoning and reasoning.reports_empty_reasoning:
+            return ""
+        return None
 
     def _visible(self, events: Iterable[Event]) -> Iterator[Event]:
         for event in events:

@@ -39,6 +39,10 @@ class DerenderStreamState(BaseModel):
     The parsed path replays ``output_token_ids`` in the original chunks
     (``output_chunk_lens``) into a fresh parser; the plain path replays only the
     last few ids, enough to rebuild an incomplete multi-byte character.
+
+    ``prev_tokens``/``prefix_offset``/``read_offset`` are vLLM's plain-path decode window (token
+    strings, and offsets into them). pdserve never writes them; it reads them, with vLLM's bounds,
+    to continue a stream that a vLLM derenderer started.
     """
 
     role_sent: bool = False
@@ -48,13 +52,18 @@ class DerenderStreamState(BaseModel):
     output_chunk_lens: list[int] = Field(default_factory=list)
     tools_streamed: bool = False
     last_tool_call_ids: list[str] = Field(default_factory=list)
+    prev_tokens: list[str] = Field(default_factory=list, max_length=1024)
+    prefix_offset: int = Field(0, ge=0)
+    read_offset: int = Field(0, ge=0)
 
     @model_validator(mode="after")
-    def _chunks_cover_the_ids(self) -> DerenderStreamState:
+    def _offsets_are_consistent(self) -> DerenderStreamState:
         if self.output_chunk_lens and (
             any(n <= 0 for n in self.output_chunk_lens) or sum(self.output_chunk_lens) != len(self.output_token_ids)
         ):
             raise ValueError("output_chunk_lens must be positive and sum to len(output_token_ids)")
+        if not self.prefix_offset <= self.read_offset <= len(self.prev_tokens):
+            raise ValueError("prefix_offset <= read_offset <= len(prev_tokens) must hold")
         return self
 
 

@@ -9,7 +9,17 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from pdserve.protocol.openai import (
     ChatCompletionLogProbs,
@@ -59,23 +69,47 @@ class ReasoningParserKwargs(BaseModel):
 
 
 class GenerateRequest(BaseModel):
+    """vLLM 0.33's ``GenerateRequest`` (fields in its order, so /render bodies line up key by key) plus
+    pdserve's ``chat_request`` parser context."""
+
     model_config = ConfigDict(extra="ignore")
 
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
     token_ids: list[int] = Field(min_length=1)
+    # Char offsets per prompt token (vLLM's render fills them on request); informational only.
+    token_offsets: list[tuple[int, int]] | None = None
+    # Multimodal inputs: pdserve serves text only, so these must be null (or empty).
+    features: dict[str, Any] | None = None
+    content_parts: list[dict[str, Any]] | None = None
     sampling_params: SamplingParams
     model: str | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    output_mode: OutputMode = "tokens"
-    parse_context: ParseContext | None = None
-    chat_request: ChatCompletionRequest | None = None
     reasoning_ended: bool | None = None
     reasoning_parser_kwargs: ReasoningParserKwargs | None = None
     return_token_ids: bool | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    output_mode: OutputMode = "tokens"
+    parse_context: ParseContext | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
-    priority: int = 0
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
+    kv_transfer_params: dict[str, Any] | None = None
+    # Encoder-cache transfer (multimodal disaggregation): text only here, so null.
+    ec_transfer_params: dict[str, Any] | None = None
+    chat_request: ChatCompletionRequest | None = None
+
+    @field_validator("features", "ec_transfer_params")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        if value is not None:
+            raise ValueError(f"multimodal {info.field_name} are not supported: pdserve serves text only; send null")
+        return value
+
+    @field_validator("content_parts")
+    @classmethod
+    def _no_content_parts(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value:
+            raise ValueError("multimodal content_parts are not supported: pdserve serves text only; send null")
+        return value
 
     @model_validator(mode="after")
     def _check_request(self) -> GenerateRequest:
@@ -159,7 +193,8 @@ class GenerateResponseBase(BaseModel):
     request_id: str
     model: str | None = None
     created: int | None = None
-    usage: UsageInfo
+    # Optional as in vLLM: derender accepts responses assembled elsewhere without it.
+    usage: UsageInfo | None = None
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
     prompt_token_id_logprobs: str | None = None
     prompt_token_ids: list[int] | None = None

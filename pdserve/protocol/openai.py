@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+from pdserve.protocol.sampling import asks_nothing
+
 
 def random_hex() -> str:
     return uuid.uuid4().hex
@@ -156,8 +158,75 @@ class StreamOptions(BaseModel):
 
 # ---------------------------------------------------------------- requests
 
+# vLLM 0.33 request keys pdserve does not implement, with the values that ask for nothing (accepted).
+# Anything else is a 400 naming the key: the client would otherwise get an answer it did not ask for.
+# guided_* were removed from vLLM's request types (it now ignores them); pdserve refuses them because a
+# client that sends one expects constrained output.
+UNSUPPORTED_REQUEST_KEYS: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False, None),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "structural_tag": (None,),
+    "logprob_token_ids": (None,),
+    "thinking_token_budget": (None, -1),
+    "watermarking": (None, False),
+    "truncate_prompt_tokens": (None,),
+    "chat_template": (None,),
+    "media_io_kwargs": (None,),
+    "mm_processor_kwargs": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "return_weight_versions": (False, None),
+    "routed_experts_prompt_start": (0, None),
+    "return_token_offsets": (None, False),
+    "return_prompt_text": (None, False),
+    "ec_transfer_params": (None,),
+    "repetition_detection": (None,),
+    "stream_interval": (None,),
+    "echo": (False, None),
+    "suffix": (None,),
+    "prompt_embeds": (None,),
+}
 
-class ChatCompletionRequest(OpenAIModel):
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+# vLLM clamps OpenAI logit_bias values into this range.
+LOGIT_BIAS_LIMIT = 100.0
+
+
+class SamplingRequest(OpenAIModel):
+    """The sampling fields chat and completions requests share (vLLM's names and defaults)."""
+
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = Field(default_factory=list)
+    response_format: dict[str, Any] | None = None
+    add_special_tokens: bool = False
+
+    def unsupported_key(self) -> str | None:
+        """The first key that asks for something pdserve does not implement (None when all is served)."""
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format"
+        for name, offs in UNSUPPORTED_REQUEST_KEYS.items():
+            if name in self.model_fields_set or name in (self.model_extra or {}):
+                if not asks_nothing(name, getattr(self, name, None), offs):
+                    return name
+        return None
+
+    def clamped_logit_bias(self) -> dict[str, float] | None:
+        """logit_bias with each value clamped to [-100, 100], as vLLM's OpenAI layer does."""
+        if self.logit_bias is None:
+            return None
+        return {k: min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, v)) for k, v in self.logit_bias.items()}
+
+
+class ChatCompletionRequest(SamplingRequest):
     """The chat request (also the RFC's ``chat_request`` parser context on generate)."""
 
     messages: list[dict[str, Any]]
@@ -196,6 +265,9 @@ class ChatCompletionRequest(OpenAIModel):
     vllm_xargs: dict[str, Any] | None = None
     priority: int = 0
     cache_salt: str | None = None
+    # Passed to the chat template as vLLM does (reasoning_effort also sets enable_thinking).
+    reasoning_effort: ReasoningEffort | None = None
+    documents: list[dict[str, str]] | None = None
 
     def model_post_init(self, __context: Any) -> None:
         # A request with tools and no explicit tool_choice means "auto" (OpenAI default).
@@ -207,7 +279,7 @@ class ChatCompletionRequest(OpenAIModel):
         return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
 
-class CompletionRequest(OpenAIModel):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     model: str | None = None
     max_tokens: int | None = 16
@@ -223,7 +295,7 @@ class CompletionRequest(OpenAIModel):
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    echo: bool = False
+    add_special_tokens: bool = True  # vLLM's completions default (chat's is False: the template adds them)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -234,6 +306,7 @@ class CompletionRequest(OpenAIModel):
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     priority: int = 0
+    cache_salt: str | None = None
 
 
 # ---------------------------------------------------------------- responses

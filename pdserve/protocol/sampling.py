@@ -1,6 +1,9 @@
-"""Wire ``SamplingParams`` with vLLM's field names.
+"""Wire ``SamplingParams`` with vLLM 0.33's field names, ranges and normalization.
 
 Unknown keys are dropped (vLLM type-validates known keys and ignores the rest).
+Every key vLLM's ``SamplingParams`` knows is either honoured, accepted as the
+transport detail it is (``output_kind``, ``skip_clone``, ...), or refused with a
+400 naming it unless it holds its "off" value: never accepted and ignored.
 ``max_tokens`` is ``None`` when the client omitted it; the server then fills in
 the room left in the model length instead of a small constant.
 """
@@ -9,25 +12,53 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 # One request may not fan out into more sequences than this (vLLM's VLLM_MAX_N_SEQUENCES).
 MAX_N = 256
+# vLLM's VLLM_MAX_NUM_BAD_WORDS: the most banned id sequences one request's bad_words may tokenize into.
+MAX_BAD_WORD_SEQUENCES = 128
+# Below this temperature sampling is greedy; a positive one under MIN_TEMPERATURE is raised to it (vLLM).
+GREEDY_EPS = 1e-5
+MIN_TEMPERATURE = 1e-2
+
+# vLLM SamplingParams fields pdserve does not implement, with the values that mean "off".
+# Any other value is refused: the client asked for behaviour it would not get.
+UNSUPPORTED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "structured_outputs": (None,),
+    "logprob_token_ids": (None,),
+    "prompt_logprob_token_ids": (None,),
+    "prompt_logprob_start": (None,),
+    "thinking_token_budget": (None, -1),
+    "repetition_detection": (None,),
+    "stream_interval": (None,),
+    "watermarking": (None, False),
+    "routed_experts_prompt_start": (0,),
+    "trace_decode_token_ids": (None,),
+}
+
+# Fields vLLM's render always emits although they hold vLLM's default value on the pdserve side:
+# vLLM's own default is None and its __post_init__ turns it into a list / bool.
+_NORMALIZED_BY_VLLM = ("stop", "stop_token_ids", "bad_words", "skip_reading_prefix_cache")
 
 
 class SamplingParams(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
     max_tokens: int | None = Field(None, ge=1)
     min_tokens: int = Field(0, ge=0)
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
+    bad_words: list[str] = Field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -35,11 +66,35 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(None, ge=-1)
     prompt_logprobs: int | None = Field(None, ge=-1)
     detokenize: bool = True
+    # Per-id additive bias on the logits (JSON object keys are strings; they must parse as ids).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     extra_args: dict[str, Any] | None = None
+    # Transport details vLLM emits from /render: accepted, no effect on the answer. vLLM's generate
+    # overwrites output_kind; pdserve has no prefix cache to skip and one logprobs wire format.
+    output_kind: int = Field(0, ge=0, le=2)
+    skip_clone: bool = False
+    skip_reading_prefix_cache: bool | None = None
+    flat_logprobs: bool = False
+    output_text_buffer_length: int = 0
+    # Refused unless off (see UNSUPPORTED_OFF_VALUES).
+    structured_outputs: Any = None
+    logprob_token_ids: Any = None
+    prompt_logprob_token_ids: Any = None
+    prompt_logprob_start: Any = None
+    thinking_token_budget: Any = None
+    repetition_detection: Any = None
+    stream_interval: Any = None
+    watermarking: Any = None
+    routed_experts_prompt_start: Any = 0
+    trace_decode_token_ids: Any = None
 
-    @field_validator("stop", mode="before")
+    # bad_words as banned id sequences, filled in by the server (it has the tokenizer).
+    _bad_words_token_ids: list[list[int]] | None = PrivateAttr(None)
+
+    @field_validator("stop", "bad_words", mode="before")
     @classmethod
-    def _stop_to_list(cls, value: Any) -> Any:
+    def _str_to_list(cls, value: Any) -> Any:
         if value is None:
             return []
         if isinstance(value, str):
@@ -53,6 +108,13 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return value
 
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, value: list[str]) -> list[str]:
+        if any(w == "" for w in value):
+            raise ValueError("bad_words must be non-empty strings")
+        return list(dict.fromkeys(value))
+
     @field_validator("stop_token_ids", mode="before")
     @classmethod
     def _stop_ids_to_list(cls, value: Any) -> Any:
@@ -65,6 +127,29 @@ class SamplingParams(BaseModel):
             raise ValueError("stop_token_ids must be non-negative token ids")
         return list(dict.fromkeys(value))
 
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("allowed_token_ids must not be empty (omit it to allow every token)")
+        if any(i < 0 for i in value):
+            raise ValueError("allowed_token_ids must be non-negative token ids")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_ids(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if value is not None and any(i < 0 for i in value):
+            raise ValueError("logit_bias keys must be non-negative token ids")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value: int | None) -> int | None:
+        return None if value == -1 else value  # vLLM: -1 means "no seed"
+
     @field_validator("logprobs", "prompt_logprobs", mode="before")
     @classmethod
     def _bool_logprobs(cls, value: Any) -> Any:
@@ -75,15 +160,58 @@ class SamplingParams(BaseModel):
             return None
         return value
 
+    @field_validator(*UNSUPPORTED_OFF_VALUES)
+    @classmethod
+    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if not asks_nothing(info.field_name, value, UNSUPPORTED_OFF_VALUES[info.field_name]):
+            raise ValueError(f"{info.field_name} is not supported by pdserve; omit it or send null")
+        # vLLM normalizes thinking_token_budget=-1 ("unlimited") to None.
+        return None if info.field_name == "thinking_token_budget" else value
+
     @model_validator(mode="after")
     def _consistent(self) -> SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are only supported when detokenize is true; use stop_token_ids")
+        # vLLM's normalization, so both servers see (and /render emits) the same values.
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
+        if self.temperature < GREEDY_EPS:
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        if self.skip_reading_prefix_cache is None:
+            self.skip_reading_prefix_cache = self.prompt_logprobs is not None
         return self
 
     @property
     def provided(self) -> set[str]:
         """The keys the client actually sent (for server-side defaulting)."""
         return set(self.model_fields_set)
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """The banned id sequences once the server tokenized ``bad_words`` (None before)."""
+        return self._bad_words_token_ids
+
+    def set_bad_words_token_ids(self, sequences: list[list[int]]) -> None:
+        self._bad_words_token_ids = sequences
+
+    def vllm_json(self) -> dict[str, Any]:
+        """The JSON vLLM 0.33's render emits for these params (msgspec ``omit_defaults``): fields
+        that differ from their default, plus the ones vLLM normalizes away from its None default.
+        ``max_tokens`` always goes out when set, so a generate server never re-defaults it."""
+        body = self.model_dump(mode="json")
+        out = {}
+        for name, field in type(self).model_fields.items():
+            default = field.get_default(call_default_factory=True)
+            keep = name in _NORMALIZED_BY_VLLM or (name == "max_tokens" and self.max_tokens is not None)
+            if keep or getattr(self, name) != default:
+                out[name] = body[name]
+        return out
+
+
+def asks_nothing(name: str, value: Any, offs: tuple[Any, ...]) -> bool:
+    """Whether an unsupported vLLM field holds one of its "off" values (type-exact: 0 is not False)."""
+    if name == "repetition_detection" and isinstance(value, dict):
+        return not value.get("max_pattern_size")  # vLLM: max_pattern_size 0 disables detection
+    return any(value is off or (value == off and type(value) is type(off)) for off in offs)

@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=16)
     serve.add_argument("--dtype", default="bfloat16")
+    serve.add_argument(
+        "--batch-invariant", action="store_true",
+        help="torch engine: every matmul call has one fixed shape, so a sequence's tokens never depend on "
+        "its batch on any CPU (slower; see docs/engine.md)",
+    )
     serve.add_argument("--api-server-count", type=int, default=1)
     _add_server_args(serve)
 
@@ -75,6 +80,8 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
     if engine_kind == "scripted":
         if args.model:
             raise ValueError("--engine scripted takes no MODEL (it replays --script)")
+        if args.batch_invariant:
+            raise ValueError("--batch-invariant is a torch engine mode; --engine scripted has no model to run")
         script = script or demo_script_path()
         tokenizer = tokenizer or "qwen3"
     spec = EngineSpec(
@@ -87,6 +94,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         dtype=args.dtype,
+        batch_invariant=args.batch_invariant,
     )
     return ServerConfig(
         engine=spec,

@@ -13,10 +13,14 @@ from pydantic import ValidationError
 
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import GenerateRequest, ParseContext, ReasoningParserKwargs
-from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest, NamedToolChoice, SamplingRequest
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.serve.app import AppState, format_validation_error
 from pdserve.text.tokenizer import Tokenizer
+
+# vLLM's RequestOutputKind values as its render emits them in sampling_params.output_kind.
+OUTPUT_KIND_DELTA = 1
+OUTPUT_KIND_FINAL_ONLY = 2
 
 
 def require_tokenizer(state: AppState) -> Tokenizer:
@@ -30,7 +34,10 @@ def _max_model_len(state: AppState) -> int | None:
 
 
 def _resolve_max_tokens(state: AppState, requested: int | None, prompt_len: int) -> int | None:
+    """The client's max_tokens, else the model's ``max_new_tokens`` capped by the room left (vLLM's rule)."""
     limit = _max_model_len(state)
+    if requested is None and state.tokenizer is not None:
+        requested = _capped(state.tokenizer.generation_defaults.get("max_tokens"), limit, prompt_len)
     if limit is None:
         return requested
     room = limit - prompt_len
@@ -45,6 +52,12 @@ def _resolve_max_tokens(state: AppState, requested: int | None, prompt_len: int)
     return requested if requested is not None else room
 
 
+def _capped(default: int | None, limit: int | None, prompt_len: int) -> int | None:
+    if default is None or limit is None:
+        return default
+    return max(1, min(default, limit - prompt_len))
+
+
 def _sampling(fields: dict[str, Any]) -> SamplingParams:
     """Build wire sampling params, keeping only what the client set (msgspec omit-defaults style)."""
     try:
@@ -53,16 +66,44 @@ def _sampling(fields: dict[str, Any]) -> SamplingParams:
         raise RequestError(format_validation_error(e)) from None
 
 
-def _shared_sampling_fields(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None) -> dict[str, Any]:
-    """The sampling fields chat and completions requests spell the same way."""
+def _check_supported(req: SamplingRequest) -> None:
+    """Refuse (400 naming the key) what vLLM would honour but pdserve does not implement."""
+    name = req.unsupported_key()
+    if name == "response_format":
+        kind = (req.response_format or {}).get("type")
+        raise RequestError(
+            f"response_format of type {kind!r} is not supported: pdserve has no structured output; "
+            'send {"type": "text"} or omit response_format',
+            param="response_format",
+        )
+    if name is not None:
+        raise RequestError(f"{name} is not supported by pdserve; omit it or send its default", param=name)
+
+
+def _shared_sampling_fields(
+    req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None, model_defaults: dict[str, Any]
+) -> dict[str, Any]:
+    """The sampling fields chat and completions requests spell the same way (vLLM's to_sampling_params).
+
+    A sampling knob the client left out takes the model's generation_config.json value, then the
+    OpenAI default (vLLM's order: user, server default, OpenAI default).
+    """
+
+    def knob(name: str) -> Any:
+        value = getattr(req, name)
+        return value if value is not None else model_defaults.get(name)
+
     return dict(
         n=req.n,
+        presence_penalty=knob("presence_penalty"),
+        frequency_penalty=knob("frequency_penalty"),
+        repetition_penalty=knob("repetition_penalty"),
         max_tokens=max_tokens,
         min_tokens=req.min_tokens or None,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
+        temperature=knob("temperature"),
+        top_p=knob("top_p"),
+        top_k=knob("top_k"),
+        min_p=knob("min_p"),
         seed=req.seed,
         stop=req.stop,
         stop_token_ids=req.stop_token_ids,
@@ -70,7 +111,13 @@ def _shared_sampling_fields(req: ChatCompletionRequest | CompletionRequest, max_
         prompt_logprobs=req.prompt_logprobs,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output or None,
+        logit_bias=req.clamped_logit_bias(),
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words,
         extra_args=req.vllm_xargs,
+        # What vLLM's render emits: the output kind the request streams with, and a fresh object.
+        output_kind=OUTPUT_KIND_DELTA if req.stream else OUTPUT_KIND_FINAL_ONLY,
+        skip_clone=True,
     )
 
 
@@ -123,22 +170,41 @@ def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def effective_template_kwargs(chat: ChatCompletionRequest) -> dict[str, Any]:
+    """The request's chat_template_kwargs plus what reasoning_effort implies (vLLM: the effort is a
+    template variable, and it switches thinking on or off unless enable_thinking was given)."""
+    kwargs = dict(chat.chat_template_kwargs or {})
+    if chat.reasoning_effort is not None:
+        kwargs.setdefault("enable_thinking", chat.reasoning_effort != "none")
+        kwargs["reasoning_effort"] = chat.reasoning_effort
+    return kwargs
+
+
 def render_chat(state: AppState, chat: ChatCompletionRequest, request_id: str | None = None) -> GenerateRequest:
     tokenizer = require_tokenizer(state)
+    _check_supported(chat)
     _check_tool_choice(state, chat)
-    template_kwargs = dict(chat.chat_template_kwargs or {})
+    if chat.continue_final_message and chat.add_generation_prompt and "add_generation_prompt" in chat.model_fields_set:
+        raise RequestError(
+            "Cannot set both continue_final_message and add_generation_prompt to true", param="continue_final_message"
+        )
+    if chat.top_logprobs and not chat.logprobs:
+        raise RequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    template_kwargs = effective_template_kwargs(chat)
     tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
+    documents = {"documents": chat.documents} if chat.documents is not None else {}
     try:
         prompt = tokenizer.apply_chat_template(
             text_messages(chat.messages),
             tools=tools,
             add_generation_prompt=chat.add_generation_prompt,
             continue_final_message=chat.continue_final_message,
+            **documents,
             **template_kwargs,
         )
     except Exception as e:  # template errors (raise_exception, bad message shapes) are the client's
         raise RequestError(f"chat template failed: {e}", param="messages") from None
-    token_ids = tokenizer.encode(prompt)
+    token_ids = tokenizer.encode(prompt, add_special_tokens=chat.add_special_tokens)
     if not token_ids:
         raise RequestError("No token_ids rendered", param="messages")
     max_tokens = _resolve_max_tokens(state, chat.max_completion_tokens or chat.max_tokens, len(token_ids))
@@ -146,7 +212,7 @@ def render_chat(state: AppState, chat: ChatCompletionRequest, request_id: str | 
     if parsers_active(state, chat):
         skip_special = False
     sampling = _sampling(
-        _shared_sampling_fields(chat, max_tokens)
+        _shared_sampling_fields(chat, max_tokens, tokenizer.generation_defaults)
         | dict(logprobs=chat.top_logprobs if chat.logprobs else None, skip_special_tokens=skip_special)
     )
     parsers = state.parser_config
@@ -181,20 +247,24 @@ def render_chat(state: AppState, chat: ChatCompletionRequest, request_id: str | 
     )
 
 
-def completion_prompts(tokenizer: Tokenizer, prompt: Any) -> list[list[int]]:
-    """All prompt shapes OpenAI allows: str, [str], [int], [[int]]."""
+def completion_prompts(tokenizer: Tokenizer, prompt: Any, add_special_tokens: bool = True) -> list[list[int]]:
+    """All prompt shapes OpenAI allows: str, [str], [int], [[int]] (ids are taken as they are)."""
     if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)]
+        return [tokenizer.encode(prompt, add_special_tokens=add_special_tokens)]
     if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     if isinstance(prompt, list) and prompt:
-        return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        return [
+            tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else list(p)
+            for p in prompt
+        ]
     raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of those")
 
 
 def render_completion(state: AppState, req: CompletionRequest, request_id: str | None = None) -> list[GenerateRequest]:
     tokenizer = require_tokenizer(state)
-    prompts = completion_prompts(tokenizer, req.prompt)
+    _check_supported(req)
+    prompts = completion_prompts(tokenizer, req.prompt, req.add_special_tokens)
     base = f"cmpl-{request_id or req.request_id}"
     out = []
     for i, ids in enumerate(prompts):
@@ -202,7 +272,7 @@ def render_completion(state: AppState, req: CompletionRequest, request_id: str |
             raise RequestError(f"prompt {i} is empty", param="prompt")
         max_tokens = _resolve_max_tokens(state, req.max_tokens, len(ids))
         sampling = _sampling(
-            _shared_sampling_fields(req, max_tokens)
+            _shared_sampling_fields(req, max_tokens, tokenizer.generation_defaults)
             | dict(logprobs=req.logprobs, skip_special_tokens=req.skip_special_tokens)
         )
         out.append(
@@ -215,6 +285,7 @@ def render_completion(state: AppState, req: CompletionRequest, request_id: str |
                 stream_options=req.stream_options if req.stream else None,
                 return_token_ids=req.return_token_ids,
                 kv_transfer_params=req.kv_transfer_params,
+                cache_salt=req.cache_salt,
                 priority=req.priority,
             )
         )

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import GenerateRequest
+from pdserve.protocol.sampling import MAX_BAD_WORD_SEQUENCES, SamplingParams
 from pdserve.serve.app import AppState
+from pdserve.text.tokenizer import Tokenizer
 
 
 def validate_generate(state: AppState, req: GenerateRequest) -> None:
@@ -22,6 +24,13 @@ def validate_generate(state: AppState, req: GenerateRequest) -> None:
             param="model",
             status=404,
             kind="NotFoundError",
+        )
+    if req.priority != 0:
+        # vLLM refuses a non-zero priority unless priority scheduling is on; pdserve admits FCFS only.
+        raise RequestError(
+            f"priority={req.priority} needs priority scheduling, which this server does not run "
+            "(requests are admitted first come, first served); send priority 0",
+            param="priority",
         )
     # Rule 1: text/derender need a tokenizer.
     if req.output_mode != "tokens" and state.tokenizer is None:
@@ -36,6 +45,12 @@ def validate_generate(state: AppState, req: GenerateRequest) -> None:
             "stop strings are not supported on a --tokens-only server (they could never match); "
             "use sampling_params.stop_token_ids",
             param="sampling_params.stop",
+        )
+    if sp.bad_words and (state.tokenizer is None or state.config.tokens_only):
+        raise RequestError(
+            "bad_words are not supported on a --tokens-only server (they need the tokenizer); "
+            "ban ids with sampling_params.logit_bias (-100) or allowed_token_ids instead",
+            param="sampling_params.bad_words",
         )
     # Rule 4: parser configured but no context -> raw markup would leak into content.
     if req.output_mode == "derender":
@@ -58,6 +73,9 @@ def validate_generate(state: AppState, req: GenerateRequest) -> None:
         raise RequestError(
             f"token id {bad} is outside the vocabulary (size {info.vocab_size})", param="token_ids"
         )
+    _check_sampling_ids(sp, info.vocab_size)
+    if sp.bad_words and state.tokenizer is not None:
+        sp.set_bad_words_token_ids(bad_words_token_ids(state.tokenizer, sp.bad_words, info.vocab_size))
     if sp.n > info.max_num_seqs:
         raise RequestError(f"n={sp.n} is over this server's limit of {info.max_num_seqs} sequences", param="n")
     prompt_len = len(req.token_ids)
@@ -85,7 +103,57 @@ def validate_generate(state: AppState, req: GenerateRequest) -> None:
         raise RequestError("min_tokens is larger than the room left for generation", param="sampling_params.min_tokens")
 
 
-def resolve_max_tokens(max_model_len: int, req: GenerateRequest) -> int:
-    """The client's max_tokens, or all the room left in the model length when it sent none."""
+def _check_sampling_ids(sp: SamplingParams, vocab_size: int) -> None:
+    """Token ids inside sampling_params index the logits: each must be in the vocabulary."""
+    for name, ids in (
+        ("stop_token_ids", sp.stop_token_ids),
+        ("allowed_token_ids", sp.allowed_token_ids or ()),
+        ("logit_bias", sp.logit_bias or ()),
+    ):
+        bad = sorted(i for i in ids if i >= vocab_size)
+        if bad:
+            raise RequestError(
+                f"sampling_params.{name} has token ids outside the vocabulary (size {vocab_size}): {bad[:8]}",
+                param=f"sampling_params.{name}",
+            )
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, words: list[str], vocab_size: int) -> list[list[int]]:
+    """The id sequences that ``bad_words`` bans, tokenized the way vLLM does.
+
+    Each word (leading whitespace dropped) is banned as it tokenizes at the start of a text; its
+    space-prefixed form is banned too when that is a different word token of the same length (the
+    mid-text spelling under byte-level BPE), so the word is blocked both at the start and after a space.
+    """
+    sequences: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip())
+        if not bare:
+            raise RequestError(
+                f"bad_words entry {word!r} tokenizes to no tokens", param="sampling_params.bad_words"
+            )
+        sequences.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip())
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    if len(sequences) > MAX_BAD_WORD_SEQUENCES:
+        raise RequestError(
+            f"bad_words tokenize into {len(sequences)} sequences; at most {MAX_BAD_WORD_SEQUENCES} are allowed",
+            param="sampling_params.bad_words",
+        )
+    outside = sorted({i for seq in sequences for i in seq if i >= vocab_size})
+    if outside:
+        raise RequestError(
+            f"bad_words tokenize into ids outside the model vocabulary (size {vocab_size}): {outside[:8]}",
+            param="sampling_params.bad_words",
+        )
+    return sequences
+
+
+def resolve_max_tokens(max_model_len: int, req: GenerateRequest, model_max_tokens: int | None = None) -> int:
+    """The client's max_tokens, or all the room left in the model length when it sent none, capped by the
+    model's generation_config.json ``max_new_tokens`` (``model_max_tokens``) as vLLM's generate does."""
+    if req.sampling_params.max_tokens is not None:
+        return req.sampling_params.max_tokens
     room = max_model_len - len(req.token_ids)
-    return req.sampling_params.max_tokens if req.sampling_params.max_tokens is not None else room
+    return room if model_max_tokens is None else max(1, min(room, model_max_tokens))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from tokenizers.decoders import DecodeStream
 
-from pdserve.text.tokenizer import Tokenizer
+from pdserve.text.tokenizer import REPLACEMENT_CHAR, Tokenizer
 
 # How many prompt ids prime the stream: enough for any multi-byte character.
 _PRIME_IDS = 16
@@ -27,15 +27,44 @@ _PRIME_IDS = 16
 
 @dataclass(frozen=True, slots=True)
 class StopConfig:
+    """How a sequence ends: stop strings (matched here) and the stop token ids (matched by the engine)."""
+
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    # The model's EOS ids, primary first: the engine reports the primary one with a null stop_reason.
+    eos_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     @property
     def hold_back(self) -> int:
         if not self.stop or self.include_stop_str_in_output:
             return 0
         return max(len(s) for s in self.stop) - 1
+
+    def stop_token_end(
+        self, finish_reason: str | None, stop_reason: int | str | None, new_ids: Sequence[int]
+    ) -> tuple[bool, int | str | None]:
+        """Whether the last of ``new_ids`` ended the sequence as a stop token, and the stop_reason to report.
+
+        ``finish_reason == "stop"`` alone does not say that the last id is a stop token: a response
+        that comes over the wire (derender) may have stopped on a stop string or elsewhere. As in
+        vLLM, the last id counts only if it equals an integer ``stop_reason``, or — with a null one —
+        is one of the request's ``stop_token_ids`` or (unless ``ignore_eos``) one of the model's EOS
+        ids; the null stop_reason then becomes that id, except for the primary EOS.
+        """
+        if finish_reason != "stop" or isinstance(stop_reason, str) or not new_ids:
+            return False, stop_reason
+        last = new_ids[-1]
+        if stop_reason is not None:
+            return last == stop_reason, stop_reason
+        honor_eos = not self.ignore_eos and bool(self.eos_token_ids)
+        if honor_eos and last == self.eos_token_ids[0]:
+            return True, None
+        if last in self.stop_token_ids or (honor_eos and last in self.eos_token_ids):
+            return True, last
+        return False, None
 
 
 @dataclass(slots=True)
@@ -91,7 +120,7 @@ class IncrementalDetokenizer:
         self._skip_special = skip_special_tokens
         self._stop = stop
         self._context = list(prompt_token_ids[-_PRIME_IDS:])
-        self._stream = DecodeStream(ids=self._context, skip_special_tokens=skip_special_tokens)
+        self._prime(self._context)  # sets _stream, _swallow and _swallow_ids
         self.output_ids: list[int] = []
         self._released_parts: list[str] = []
         self._released_chars = 0
@@ -117,17 +146,52 @@ class IncrementalDetokenizer:
     def _length(self) -> int:
         return self._released_chars + len(self._tail)
 
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip_special)
+
+    def _prime(self, context: Sequence[int]) -> None:
+        """Start a fresh decode stream after ``context``: ids whose text is not output text.
+
+        A DecodeStream primed with ids whose text ends in an incomplete character (U+FFFD) repeats
+        that text on its next step, so the prompt would leak into the output. The stream is primed
+        with the context up to its last complete character instead; the incomplete tail is fed as
+        steps, and the characters the context's own decode gives it (``_swallow``) are dropped from
+        the text that completes them. Output text is then ``decode(context + out)[len(decode(context)):]``.
+        """
+        context = list(context[-_PRIME_IDS:])
+        text = clean_text = self._decode(context)
+        clean = len(context)
+        while clean and clean_text.endswith(REPLACEMENT_CHAR):
+            clean -= 1
+            clean_text = self._decode(context[:clean])
+        self._stream = DecodeStream(ids=context[:clean], skip_special_tokens=self._skip_special)
+        for token_id in context[clean:]:
+            self._stream.step(self._tok.hf, token_id)  # incomplete bytes: no text yet
+        # Characters the next decoded text still owes to the context, and the context ids holding them.
+        self._swallow = len(text) - len(clean_text)
+        self._swallow_ids = context[clean:]
+
+    def _take(self, piece: str | None) -> str | None:
+        """``piece`` without the characters still owed to the context (None: no complete text yet)."""
+        if not piece or not self._swallow:
+            return piece
+        cut = min(self._swallow, len(piece))
+        self._swallow -= cut
+        if not self._swallow:
+            self._swallow_ids = []
+        return piece[cut:]
+
     def _decode_one(self, token_id: int) -> str | None:
+        """The text this id completes; None while its character is incomplete."""
         try:
-            return self._stream.step(self._tok.hf, token_id)
+            return self._take(self._stream.step(self._tok.hf, token_id))
         except Exception:
-            # DecodeStream refuses some prefixes (vLLM resets on "Invalid prefix"): restart it from
-            # the ids seen so far and decode this id against that context.
-            context = (self._context + self.output_ids[:-1])[-_PRIME_IDS:]
-            before = self._tok.decode(context, skip_special_tokens=self._skip_special)
-            after = self._tok.decode(context + [token_id], skip_special_tokens=self._skip_special)
-            self._stream = DecodeStream(ids=context + [token_id], skip_special_tokens=self._skip_special)
-            return after[len(before) :] if after.startswith(before) else None
+            # DecodeStream refuses some prefixes (vLLM resets on "Invalid prefix"): restart it after
+            # the ids whose text is out, and decode the pending ones (this one included) again.
+            self._prime(self._context + self.output_ids[: self._pending_start])
+            pieces = [self._take(self._stream.step(self._tok.hf, t)) for t in self.output_ids[self._pending_start :]]
+            done = [p for p in pieces if p is not None]
+            return "".join(done) if done else None
 
     def _append_text(self, piece: str) -> None:
         self._tail += piece
@@ -154,7 +218,7 @@ class IncrementalDetokenizer:
                 continue
             before = self._length
             piece = self._decode_one(token_id)
-            if piece:
+            if piece is not None:  # "" when the text it completes was the prompt's
                 self._append_text(piece)
             if self._stop_floor is None and len(self.output_ids) >= self._stop.min_tokens:
                 # Stop strings only count in text produced after the first min_tokens tokens.
@@ -187,7 +251,7 @@ class IncrementalDetokenizer:
             if end is None
         ]
         if pending:
-            self._append_text(self._tok.decode(pending, skip_special_tokens=self._skip_special))
+            self._append_text(self._take(self._decode(self._swallow_ids + pending)) or "")
         self._pending_start = len(self._token_ends)
 
     def release(self, finished: bool) -> Released:

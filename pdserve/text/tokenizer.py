@@ -79,11 +79,54 @@ def _token_content(value: Any) -> str | None:
     return value
 
 
+def _model_eos_ids(directory: Path) -> list[int]:
+    """``eos_token_id`` of config.json and generation_config.json (an int or a list), in that order.
+
+    A generation config may list several EOS ids (Qwen3: ``<|im_end|>`` and ``<|endoftext|>``); a
+    response that ends on any of them ended on EOS, also on a render server that has no engine.
+    """
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        path = directory / name
+        value = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+        for candidate in value if isinstance(value, list) else [value]:
+            if isinstance(candidate, int) and candidate not in ids:
+                ids.append(candidate)
+    return ids
+
+
+# The sampling defaults vLLM takes from a model's generation_config.json (``--generation-config auto``):
+# an OpenAI request that leaves one of these out gets the model's value, not the OpenAI default.
+GENERATION_DEFAULT_KEYS = (
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p", "min_p",
+    "max_new_tokens",
+)
+
+
+def _generation_defaults(directory: Path) -> dict[str, Any]:
+    """The model's sampling defaults (``max_new_tokens`` renamed ``max_tokens``, as vLLM does)."""
+    path = directory / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    defaults = {key: config[key] for key in GENERATION_DEFAULT_KEYS if config.get(key) is not None}
+    if "max_new_tokens" in defaults:
+        defaults["max_tokens"] = defaults.pop("max_new_tokens")
+    return defaults
+
+
 class Tokenizer:
     """A loaded tokenizer: encode/decode, special ids, chat template, per-id tables."""
 
-    def __init__(self, hf: HFTokenizer, config: dict[str, Any], chat_template: str | None, name: str):
+    def __init__(
+        self,
+        hf: HFTokenizer,
+        config: dict[str, Any],
+        chat_template: str | None,
+        name: str,
+        model_eos_ids: Sequence[int] = (),
+        generation_defaults: dict[str, Any] | None = None,
+    ):
         self.hf = hf
+        self.generation_defaults: dict[str, Any] = dict(generation_defaults or {})
         self.name = name
         self.config = config
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
@@ -93,6 +136,9 @@ class Tokenizer:
         self.bos_token = _token_content(config.get("bos_token"))
         self.eos_token = _token_content(config.get("eos_token"))
         self.eos_token_id = self.token_to_id(self.eos_token) if self.eos_token else None
+        # Every id that ends a sequence as EOS, the tokenizer's own first (vLLM's rule for derender).
+        primary = [] if self.eos_token_id is None else [self.eos_token_id]
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*primary, *model_eos_ids]))
         self.chat_template_source = chat_template
         self._template = _compile_template(chat_template) if chat_template else None
 
@@ -108,7 +154,7 @@ class Tokenizer:
         jinja_file = directory / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
-        return cls(hf, config, template, name_or_path)
+        return cls(hf, config, template, name_or_path, _model_eos_ids(directory), _generation_defaults(directory))
 
     # ------------------------------------------------------------ ids <-> text
 

@@ -2,23 +2,52 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
-import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from tests.e2e.test_generate import PROMPT, SCRIPTS
 from tests.serverproc import ServerProcess
+from tests.sse import stream_and_abort
+from tests.waiting import wait_until
 
 
 def health(srv: ServerProcess) -> httpx.Response:
     # A fresh connection each time, so SO_REUSEPORT can hand it to either frontend.
     with httpx.Client() as client:
         return client.get(srv.url + "/health", timeout=5)
+
+
+@contextlib.contextmanager
+def one_connection_per_frontend(srv: ServerProcess) -> Iterator[dict[str, httpx.Client]]:
+    """An open keep-alive connection to each of the two frontend processes, by pid.
+
+    SO_REUSEPORT hands each new connection to either process; a client keeps its connection,
+    so what one client asks always reaches the same frontend.
+    """
+    connections: dict[str, httpx.Client] = {}
+
+    def both_reached() -> bool:
+        client = httpx.Client(timeout=10)
+        pid = client.get(srv.url + "/health").headers["x-pdserve-pid"]
+        if pid in connections:
+            client.close()
+        else:
+            connections[pid] = client
+        return len(connections) == 2
+
+    try:
+        wait_until(both_reached, lambda: f"new connections reached both frontends (seen {set(connections)})")
+        yield connections
+    finally:
+        for client in connections.values():
+            client.close()
 
 
 @pytest.fixture()
@@ -32,8 +61,8 @@ def test_both_frontends_answer_against_one_core(two_frontends) -> None:  # type:
     srv = two_frontends
     frontends: set[str] = set()
     cores: set[str] = set()
-    deadline = time.monotonic() + 30
-    while len(frontends) < 2 and time.monotonic() < deadline:
+
+    def both_frontends_answered() -> bool:
         r = health(srv)
         assert r.status_code == 200
         frontends.add(r.headers["x-pdserve-pid"])
@@ -42,7 +71,9 @@ def test_both_frontends_answer_against_one_core(two_frontends) -> None:  # type:
             g = client.post(srv.url + "/inference/v1/generate", json={
                 "token_ids": PROMPT, "output_mode": "text", "sampling_params": {"max_tokens": 3}})
         assert g.status_code == 200 and g.json()["choices"][0]["text"]
-    assert len(frontends) == 2, "both frontend processes served requests"
+        return len(frontends) == 2
+
+    wait_until(both_frontends_answered, lambda: f"both frontend processes served requests (seen {frontends})")
     assert len(cores) == 1 and str(srv.proc.pid) not in frontends
 
 
@@ -51,20 +82,18 @@ def test_abort_through_the_other_frontend(two_frontends) -> None:  # type: ignor
     rid = "cross-abort"
     body = {"token_ids": PROMPT, "output_mode": "text", "stream": True, "request_id": rid,
             "sampling_params": {"max_tokens": 5000, "ignore_eos": True}}
-    finals: list[dict] = []
-    with httpx.Client() as client, client.stream("POST", srv.url + "/inference/v1/generate", json=body,
-                                                  timeout=30) as r:
-        lines = r.iter_lines()
-        next(line for line in lines if line.startswith("data: {"))
-        # Abort from fresh connections: whichever frontend gets it, the core aborts the request.
-        for _ in range(4):
-            with httpx.Client() as other:
-                assert other.post(srv.url + "/abort_requests",
-                                  json={"request_ids": ["generate-tokens-" + rid]}).status_code == 200
-        for line in lines:
-            if line.startswith("data: {"):
-                finals.append(json.loads(line[6:]))
-    assert finals and finals[-1]["choices"][0]["finish_reason"] == "abort"
+    with one_connection_per_frontend(srv) as connections:
+
+        def abort_through_the_other_frontend() -> None:
+            # The frontend holding the stream is the one running a request; abort through the other.
+            idle = [c for c in connections.values() if srv.metric("pdserve_running_requests", via=c) == 0]
+            assert len(idle) == 1, "exactly one frontend runs the stream"
+            a = idle[0].post(srv.url + "/abort_requests", json={"request_ids": ["generate-tokens-" + rid]})
+            assert a.status_code == 200
+
+        events, done = stream_and_abort(srv.url + "/inference/v1/generate", body, 1, abort_through_the_other_frontend)
+    assert done and events[-1]["choices"][0]["finish_reason"] == "abort"
+    assert sum(len(ev["choices"][0]["token_ids"]) for ev in events) < 5000
 
 
 def test_core_death_gives_clean_errors(two_frontends) -> None:  # type: ignore[no-untyped-def]
@@ -73,29 +102,34 @@ def test_core_death_gives_clean_errors(two_frontends) -> None:  # type: ignore[n
     body = {"token_ids": PROMPT, "output_mode": "text", "stream": True,
             "sampling_params": {"max_tokens": 5000, "ignore_eos": True}}
     events: list[str] = []
+    streaming = threading.Event()
 
     def stream() -> None:
         with httpx.Client() as client, client.stream("POST", srv.url + "/inference/v1/generate", json=body,
                                                       timeout=30) as r:
-            events.extend(line for line in r.iter_lines() if line.startswith("data: "))
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    streaming.set()
 
     t = threading.Thread(target=stream)
     t.start()
-    time.sleep(0.5)
+    assert streaming.wait(60), "the request started streaming"
     os.kill(core_pid, signal.SIGKILL)
-    t.join(20)
+    t.join(60)
     assert not t.is_alive(), "the in-flight stream ended instead of hanging"
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2][6:])
     assert "error" in error and "engine" in error["error"]["message"]
-    deadline = time.monotonic() + 15
     seen_unhealthy: set[str] = set()
-    while len(seen_unhealthy) < 2 and time.monotonic() < deadline:
+
+    def both_unhealthy() -> bool:
         r = health(srv)
         if r.status_code == 503:
             seen_unhealthy.add(r.headers["x-pdserve-pid"])
-        time.sleep(0.1)
-    assert len(seen_unhealthy) == 2, "both frontends report the dead engine"
+        return len(seen_unhealthy) == 2
+
+    wait_until(both_unhealthy, lambda: f"both frontends report the dead engine (seen {seen_unhealthy})")
     with httpx.Client() as client:
         r = client.post(srv.url + "/inference/v1/generate",
                         json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}, timeout=10)

@@ -7,10 +7,13 @@ import json
 import httpx
 import pytest
 
-from tests.e2e.test_generate import PROMPT, SCRIPTS, wait_metric_zero
+from pdserve.text.tokenizer import Tokenizer
+from tests.e2e.test_generate import EOS, PROMPT, SCRIPTS
 from tests.serverproc import ServerProcess
-from tests.sse import parse_sse, stream_post
+from tests.sse import assert_tail_flushed, stream_and_abort, stream_post
+from tests.waiting import wait_metric
 
+TOK = Tokenizer.load("qwen3")
 PARSER_ARGS = ("--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice")
 
 
@@ -30,12 +33,16 @@ def req(mode: str, script: int, thinking: bool = False, **sampling) -> dict:  # 
     return body
 
 
+def new_content(choice: dict, mode: str) -> str:
+    """The answer text a streamed choice adds: ``text``, or the derender delta's ``content``."""
+    return choice["text"] if mode == "text" else choice["delta"].get("content") or ""
+
+
 def assembled(events: list[dict], mode: str) -> tuple[str, str]:
+    content = "".join(new_content(ev["choices"][0], mode) for ev in events)
     if mode == "text":
-        return "".join(ev["choices"][0]["text"] for ev in events), ""
-    content = "".join(ev["choices"][0]["delta"].get("content") or "" for ev in events)
-    reasoning = "".join(ev["choices"][0]["delta"].get("reasoning") or "" for ev in events)
-    return content, reasoning
+        return content, ""
+    return content, "".join(ev["choices"][0]["delta"].get("reasoning") or "" for ev in events)
 
 
 @pytest.mark.parametrize("mode", ["text", "derender"])
@@ -45,14 +52,10 @@ def test_final_chunk_carries_only_held_back_text(server, mode: str) -> None:  # 
     events, done = stream_post(server.url + "/inference/v1/generate", req(mode, 0, stop=[stop]))
     assert done
     last = events[-1]["choices"][0]
-    assert last["finish_reason"] == "stop"
-    assert last["token_ids"] == [] or last["token_ids"][-1] == 151645
+    assert last["token_ids"][-1] == EOS and last["stop_reason"] is None
     text, _ = assembled(events, mode)
-    expected = json.loads(SCRIPTS.read_text().splitlines()[0])["text"]
-    assert text == expected
-    held = last["text"] if mode == "text" else last["delta"].get("content")
-    assert held and len(held) >= 1, "the terminal chunk flushed the held-back tail"
-    assert expected.endswith(held)
+    assert text == json.loads(SCRIPTS.read_text().splitlines()[0])["text"]
+    assert_tail_flushed(events, TOK, lambda choice: new_content(choice, mode), len(stop) - 1, "stop")
 
 
 @pytest.mark.parametrize("mode", ["text", "derender"])
@@ -61,7 +64,7 @@ def test_finish_only_chunk(server, mode: str) -> None:  # type: ignore[no-untype
     events, done = stream_post(server.url + "/inference/v1/generate", req(mode, 3, thinking=True))
     assert done
     last = events[-1]["choices"][0]
-    assert last["finish_reason"] == "stop" and last["token_ids"] == [151645]
+    assert last["finish_reason"] == "stop" and last["token_ids"] == [EOS]
     if mode == "text":
         assert last["text"] == ""
     else:
@@ -72,26 +75,16 @@ def test_finish_only_chunk(server, mode: str) -> None:  # type: ignore[no-untype
 @pytest.mark.parametrize("mode", ["text", "derender"])
 def test_abort_final_chunk(server, mode: str) -> None:  # type: ignore[no-untyped-def]
     rid = f"eos-abort-{mode}"
-    body = {**req(mode, 0, ignore_eos=True, max_tokens=5000, stop=["NEVER-MATCHES-XYZ"]), "request_id": rid}
-    events: list[dict] = []
-    with httpx.stream("POST", server.url + "/inference/v1/generate", json=body, timeout=30) as r:
-        lines = r.iter_lines()
-        for line in lines:
-            if line.startswith("data: {"):
-                events.append(json.loads(line[6:]))
-            if len(events) == 4:
-                httpx.post(server.url + "/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-" + rid]})
-                break
-        more, done = parse_sse(list(lines))
-    events += more
-    assert done
-    last = events[-1]["choices"][0]
-    assert last["finish_reason"] == "abort"
-    text, _ = assembled(events, mode)
-    assert text.startswith("Hello there!")
-    # All generated ids were delivered with their text (held-back tail flushed on abort).
-    ids = [i for ev in events for i in ev["choices"][0]["token_ids"]]
-    from pdserve.text.tokenizer import Tokenizer
+    stop = "NEVER-MATCHES-XYZ"
+    body = {**req(mode, 0, ignore_eos=True, max_tokens=5000, stop=[stop]), "request_id": rid}
 
-    assert Tokenizer.load("qwen3").decode(ids) == text
-    wait_metric_zero(server, "pdserve_engine_running_requests")
+    def abort() -> None:
+        r = httpx.post(server.url + "/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-" + rid]})
+        assert r.status_code == 200
+
+    events, done = stream_and_abort(server.url + "/inference/v1/generate", body, 4, abort)
+    assert done
+    text, reasoning = assembled(events, mode)
+    assert text.startswith("Hello there!") and reasoning == ""
+    assert_tail_flushed(events, TOK, lambda choice: new_content(choice, mode), len(stop) - 1)
+    wait_metric(server, "pdserve_engine_running_requests", 0)

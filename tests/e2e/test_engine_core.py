@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from pdserve.engine.api import EngineDeadError, EngineError, EngineOutput, EngineRequest, SequenceSampling
 from pdserve.engine.core import EngineCoreClient, EngineCoreHandle, start_engine_core
 from pdserve.engine.factory import EngineSpec
+from tests.waiting import async_wait_until
 
 PROMPT = [9707, 11, 1879, 0, 151644, 872, 198]
 
@@ -57,21 +57,25 @@ def test_two_clients_get_their_own_answers_and_either_can_abort(core: EngineCore
                 outputs.append(o)
                 if len(outputs) == 3:
                     await b.abort(["long"])
-            assert outputs[-1].finish_reason == "abort" and len(outputs) < 1500
+            assert outputs[-1].finish_reason == "abort" and len(token_ids(outputs)) < 1500
 
-            # An abort right behind the add (same connection, so ordered) still finds the request.
+            # An abort right behind the add (same connection, so ordered) still finds the request:
+            # gather starts its tasks in order, and the first one sends the add before it waits.
             stream = a.generate(req("quick", max_tokens=1500, temperature=0))
-            first = asyncio.ensure_future(anext(stream))
-            await asyncio.sleep(0)  # the client sends the add
-            await a.abort(["quick"])
-            quick = [await first] + [o async for o in stream]
-            assert quick[-1].finish_reason == "abort" and len(quick) < 100
+            first, _ = await asyncio.gather(anext(stream), a.abort(["quick"]))
+            quick = [first] + [o async for o in stream]
+            assert quick[-1].finish_reason == "abort" and len(token_ids(quick)) < 1500
 
             # Errors come back as EngineError; the core keeps serving.
             with pytest.raises(EngineError, match="prompt_token_ids is empty"):
                 await collect(b, req("bad", prompt=[]))
-            await asyncio.sleep(0.6)  # a heartbeat carries the stats
-            assert b.stats().running_requests == 0 and b.is_healthy()
+            # Stats come with heartbeats (each a new EngineStats): a later one reports nothing left running.
+            stale = b.stats()
+            await async_wait_until(
+                lambda: b.stats() is not stale and b.stats().running_requests == 0,
+                lambda: f"a heartbeat reports no running request (last: {b.stats()})",
+            )
+            assert b.is_healthy()
         finally:
             await a.shutdown()
             await b.shutdown()
@@ -80,29 +84,28 @@ def test_two_clients_get_their_own_answers_and_either_can_abort(core: EngineCore
     asyncio.run(go())
 
 
-def test_core_death_fails_in_flight_requests_promptly_and_new_ones_fast() -> None:
+def test_core_death_fails_in_flight_requests_and_new_ones() -> None:
     handle = start_engine_core(EngineSpec(kind="torch", model="qwen3-tiny", max_model_len=4096))
+    exited = f"engine core process {handle.process.pid} exited"  # the pid watch saw it, not a heartbeat timeout
 
-    async def go() -> float:
+    async def go() -> None:
         client = await EngineCoreClient.connect(handle.addresses)
-        stream = client.generate(req("doomed", max_tokens=4000, temperature=0))
-        await anext(stream)
-        os.kill(handle.process.pid, signal.SIGKILL)
-        killed = time.monotonic()
-        with pytest.raises(EngineDeadError, match=f"engine core process {handle.process.pid} exited"):
-            async for _ in stream:
-                pass
-        detected = time.monotonic() - killed
-        assert not client.is_healthy()
-        started = time.monotonic()
-        with pytest.raises(EngineDeadError):
-            await anext(client.generate(req("after")))
-        assert time.monotonic() - started < 0.1
-        await client.shutdown()
-        return detected
+        try:
+            stream = client.generate(req("doomed", max_tokens=4000, temperature=0))
+            await anext(stream)
+            os.kill(handle.process.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError, match=exited):
+                async for _ in stream:
+                    pass
+            assert not client.is_healthy()
+            # A new request fails on its first step, with the same cause, without reaching any core.
+            with pytest.raises(EngineDeadError, match=exited):
+                await anext(client.generate(req("after")))
+        finally:
+            await client.shutdown()
 
     try:
-        assert asyncio.run(go()) < 3.0
+        asyncio.run(go())
     finally:
         handle.shutdown()
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
+import socket
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -14,7 +13,8 @@ import pytest
 from pdserve.protocol.generate import generate_response_adapter, generate_stream_response_adapter
 from pdserve.text.tokenizer import Tokenizer
 from tests.serverproc import ServerProcess
-from tests.sse import stream_post
+from tests.sse import assert_tail_flushed, stream_and_abort, stream_post
+from tests.waiting import wait_metric, wait_until
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 SCRIPTS = FIXTURES / "scripts.jsonl"
@@ -110,9 +110,13 @@ def test_tokens_mode_unchanged(server) -> None:  # type: ignore[no-untyped-def]
     assert sum(len(ev["choices"][0]["token_ids"]) for ev in events) == 5
 
 
+EMOJI_SCRIPT = 2  # its emoji are split over ids that decode alone to U+FFFD
+
+
 def test_text_logprobs_are_decoded(server, tok) -> None:  # type: ignore[no-untyped-def]
-    res = gen(server, body(logprobs=3, max_tokens=40))
+    res = gen(server, body(script=EMOJI_SCRIPT, logprobs=3))
     choice = res["choices"][0]
+    assert any("\ufffd" in tok.decode([i]) for i in choice["token_ids"]), "the script must have split characters"
     content = choice["logprobs"]["content"]
     assert len(content) == len(choice["token_ids"])
     # Byte-fallback pieces are repaired with context: the logprob tokens spell the text.
@@ -179,67 +183,65 @@ def test_omitted_max_tokens_uses_model_room(server) -> None:  # type: ignore[no-
     assert len(res["choices"][0]["token_ids"]) == 32768 - len(PROMPT)
 
 
-def metric(srv: ServerProcess, name: str) -> float:
-    text = httpx.get(srv.url + "/metrics", headers=srv.headers).text
-    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
-    assert m, f"{name} missing from /metrics"
-    return float(m.group(1))
-
-
-def wait_metric_zero(srv: ServerProcess, name: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while metric(srv, name) != 0:
-        assert time.monotonic() < deadline, f"{name} did not return to 0"
-        time.sleep(0.05)
-
-
-def test_abort_mid_stream_gives_final_chunk(slow_server) -> None:  # type: ignore[no-untyped-def]
+def test_abort_mid_stream_gives_final_chunk(slow_server, tok) -> None:  # type: ignore[no-untyped-def]
     rid = "abort-me"
-    req = {**body(ignore_eos=True, max_tokens=2000, stop=["zzzzzzzz"]), "stream": True, "request_id": rid}
-    events: list = []
-    with httpx.stream("POST", slow_server.url + "/inference/v1/generate", json=req, timeout=30) as r:
-        lines = r.iter_lines()
-        for line in lines:
-            if line.startswith("data: {"):
-                events.append(json.loads(line[6:]))
-            if len(events) == 3:
-                a = httpx.post(slow_server.url + "/abort_requests", json={"request_ids": ["generate-tokens-" + rid]})
-                assert a.status_code == 200 and a.text == ""
-                break
-        rest = [line for line in lines]
-    from tests.sse import parse_sse
+    stop = "zzzzzzzz"
+    req = {**body(ignore_eos=True, max_tokens=2000, stop=[stop]), "stream": True, "request_id": rid}
 
-    more, done = parse_sse(rest)
-    events += more
+    def abort() -> None:
+        a = httpx.post(slow_server.url + "/abort_requests", json={"request_ids": ["generate-tokens-" + rid]})
+        assert a.status_code == 200 and a.text == ""
+
+    events, done = stream_and_abort(slow_server.url + "/inference/v1/generate", req, 3, abort)
     assert done
-    final = events[-1]["choices"][0]
-    assert final["finish_reason"] == "abort"
-    text = "".join(ev["choices"][0]["text"] for ev in events)
-    ids = [i for ev in events for i in ev["choices"][0]["token_ids"]]
-    # The held-back text (7 chars for the stop string) was flushed on the terminal chunk.
-    assert text == Tokenizer.load("qwen3").decode(ids)
-    wait_metric_zero(slow_server, "pdserve_engine_running_requests")
-    wait_metric_zero(slow_server, "pdserve_running_requests")
+    assert_tail_flushed(events, tok, lambda choice: choice["text"], hold_back=len(stop) - 1)
+    wait_metric(slow_server, "pdserve_engine_running_requests", 0)
+    wait_metric(slow_server, "pdserve_running_requests", 0)
+
+
+def send_and_hang_up(srv: ServerProcess, payload: dict) -> None:
+    """POST ``payload`` to generate on a raw connection and hang up once the engine runs it.
+
+    A raw socket, because an HTTP client only gives up on a timer; here the hang-up comes
+    exactly when the request is known to be in the engine.
+    """
+    data = json.dumps(payload).encode()
+    head = (
+        f"POST /inference/v1/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", srv.port)) as conn:
+        conn.sendall(head + data)
+        wait_metric(srv, "pdserve_engine_running_requests", 1)
+
+
+def counted(status: int) -> str:
+    """The sample that counts text-mode generate requests answered with ``status``."""
+    return f'pdserve_requests_total{{endpoint="generate",output_mode="text",status="{status}"}}'
 
 
 def test_client_disconnect_frees_engine(slow_server) -> None:  # type: ignore[no-untyped-def]
     req = {**body(ignore_eos=True, max_tokens=2000), "stream": True}
+    left_before = slow_server.metric(counted(499), missing=0)
     with httpx.stream("POST", slow_server.url + "/inference/v1/generate", json=req, timeout=30) as r:
         lines = r.iter_lines()  # keep the iterator: dropping it closes the connection
         for line in lines:
             if line.startswith("data: {"):
                 break
-        assert metric(slow_server, "pdserve_engine_running_requests") == 1
-    wait_metric_zero(slow_server, "pdserve_engine_running_requests")
-    wait_metric_zero(slow_server, "pdserve_running_requests")
-    # Non-streaming request whose client gives up.
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(slow_server.url + "/inference/v1/generate", json={**req, "stream": False}, timeout=0.5)
-    wait_metric_zero(slow_server, "pdserve_engine_running_requests")
+        assert slow_server.metric("pdserve_engine_running_requests") == 1
+    wait_metric(slow_server, "pdserve_engine_running_requests", 0)
+    wait_metric(slow_server, "pdserve_running_requests", 0)
+    # A non-streaming request whose client hangs up while the engine runs it.
+    send_and_hang_up(slow_server, {**req, "stream": False})
+    wait_metric(slow_server, "pdserve_engine_running_requests", 0)
+    wait_metric(slow_server, "pdserve_running_requests", 0)
+    wait_metric(slow_server, counted(499), left_before + 2)  # both were counted as "client left"
 
 
 def test_inference_abort_route_non_stream(slow_server) -> None:  # type: ignore[no-untyped-def]
     rid = "batch-abort"
+    answered_before = slow_server.metric(counted(200), missing=0)
+    tokens_before = slow_server.metric("pdserve_generation_tokens_total")
     result: dict = {}
 
     def run() -> None:
@@ -247,13 +249,15 @@ def test_inference_abort_route_non_stream(slow_server) -> None:  # type: ignore[
 
     t = threading.Thread(target=run)
     t.start()
-    time.sleep(0.5)
+    # Abort once the engine has produced some of the answer (a batch request counts its tokens as they come).
+    wait_until(lambda: slow_server.metric("pdserve_generation_tokens_total") > tokens_before, "a token was generated")
     r = httpx.post(slow_server.url + "/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-" + rid]})
     assert r.status_code == 200
-    t.join(10)
+    t.join(30)
+    assert not t.is_alive() and "res" in result, "the aborted request got its response"
     choice = result["res"]["choices"][0]
     assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < 2000
-    assert metric(slow_server, 'pdserve_requests_total{endpoint="generate",output_mode="text",status="200"}') >= 1
+    wait_metric(slow_server, counted(200), answered_before + 1)  # an aborted batch request is still a 200
 
 
 def test_usage_options(server) -> None:  # type: ignore[no-untyped-def]
@@ -274,4 +278,4 @@ def test_engine_error_mid_stream(tmp_path) -> None:  # type: ignore[no-untyped-d
         assert done and "error" in events[-1] and "scripted failure" in events[-1]["error"]["message"]
         r = httpx.post(srv.url + "/inference/v1/generate", json=body(), timeout=10)
         assert r.status_code == 500 and "scripted failure" in r.json()["error"]["message"]
-        wait_metric_zero(srv, "pdserve_running_requests")
+        wait_metric(srv, "pdserve_running_requests", 0)

@@ -172,3 +172,79 @@ def test_text_content_parts_render_like_strings(server) -> None:  # type: ignore
         return r.json()["token_ids"]
 
     assert render([{"type": "text", "text": "Hello "}, {"type": "text", "text": "world"}]) == render("Hello world")
+
+
+# vLLM 0.33's GenerateRequest, every key in its order (reference §3.1 and §16: render emits all, nulls included).
+VLLM_GENERATE_KEYS = [
+    "request_id", "token_ids", "token_offsets", "features", "content_parts", "sampling_params", "model",
+    "reasoning_ended", "reasoning_parser_kwargs", "return_token_ids", "output_mode", "parse_context", "stream",
+    "stream_options", "cache_salt", "priority", "kv_transfer_params", "ec_transfer_params",
+]
+
+
+def test_render_emits_vllm_generate_request_shape(server) -> None:  # type: ignore[no-untyped-def]
+    def render(path: str, body: dict) -> dict | list:
+        r = httpx.post(server.url + path, json=body, headers=server.headers, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 32}
+    batch = render("/v1/chat/completions/render", chat)
+    assert list(batch) == VLLM_GENERATE_KEYS
+    assert (batch["token_offsets"], batch["features"], batch["content_parts"], batch["ec_transfer_params"]) == \
+        (None, None, None, None)
+    # vLLM: omit-defaults msgspec JSON after __post_init__ (lists normalized from None), FINAL_ONLY = 2,
+    # skip_clone set by to_sampling_params; skip_special_tokens false because a reasoning parser reads the text.
+    assert batch["sampling_params"] == {
+        "max_tokens": 32, "stop": [], "stop_token_ids": [], "bad_words": [], "skip_special_tokens": False,
+        "output_kind": 2, "skip_clone": True, "skip_reading_prefix_cache": False,
+    }
+    streamed = render("/v1/chat/completions/render", {**chat, "stream": True, "stop": "x", "temperature": 0.5})
+    assert streamed["sampling_params"]["output_kind"] == 1  # DELTA
+    assert (streamed["sampling_params"]["stop"], streamed["sampling_params"]["temperature"]) == (["x"], 0.5)
+    (completion,) = render("/v1/completions/render", {"prompt": "hi", "max_tokens": 5, "cache_salt": "salt"})
+    assert list(completion) == VLLM_GENERATE_KEYS
+    assert completion["parse_context"] is None and completion["cache_salt"] == "salt"
+    # A pdserve render goes to generate unchanged.
+    assert gen(server, batch).status_code == 200
+
+
+def test_generate_accepts_a_vllm_render(server) -> None:  # type: ignore[no-untyped-def]
+    """A body shaped like vLLM 0.33's render output (reference §16, written by hand) is served as sent."""
+    body = {
+        "request_id": "chatcmpl-3f0c", "token_ids": [151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198],
+        "token_offsets": None, "features": None, "content_parts": None,
+        "sampling_params": {"max_tokens": 3, "output_kind": 1, "stop": [], "stop_token_ids": [], "bad_words": [],
+                            "skip_reading_prefix_cache": False, "skip_clone": True, "presence_penalty": 0.25,
+                            "repetition_penalty": 1.1, "logit_bias": {"13": -5.0}},
+        "model": None, "reasoning_ended": None, "reasoning_parser_kwargs": None, "return_token_ids": None,
+        "output_mode": "tokens",
+        "parse_context": {"tools": None, "tool_choice": "none", "parallel_tool_calls": True,
+                          "include_reasoning": True, "chat_template_kwargs": {}, "history_tool_call_cnt": 0},
+        "stream": False, "stream_options": None, "cache_salt": None, "priority": 0,
+        "kv_transfer_params": None, "ec_transfer_params": None,
+    }
+    r = gen(server, body)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["token_ids"]) == 3
+    for key, value in [("features", {"mm_hashes": {"image": ["h"]}, "mm_placeholders": {"image": []}}),
+                       ("content_parts", [{"type": "image_url", "url": "http://x/y.png"}]),
+                       ("ec_transfer_params", {"do_remote_encode": True})]:
+        r = gen(server, {**body, key: value})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(key), r.text
+
+
+def test_reasoning_effort_drives_the_template_like_vllm(server) -> None:  # type: ignore[no-untyped-def]
+    def render(extra: dict) -> dict:
+        body = {"messages": [{"role": "user", "content": "hi"}], **extra}
+        r = httpx.post(server.url + "/v1/chat/completions/render", json=body, headers=server.headers, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    off = render({"reasoning_effort": "none"})
+    assert off["token_ids"] == render({"chat_template_kwargs": {"enable_thinking": False}})["token_ids"]
+    assert off["token_ids"] != render({})["token_ids"]
+    assert off["reasoning_parser_kwargs"]["chat_template_kwargs"]["enable_thinking"] is False
+    # An explicit enable_thinking wins over the effort, as in vLLM.
+    explicit = render({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}})
+    assert explicit["token_ids"] == render({"reasoning_effort": "high"})["token_ids"] == render({})["token_ids"]

@@ -17,14 +17,14 @@ import httpx
 import pytest
 
 from pdserve.text.tokenizer import Tokenizer
-from tests.fixtures.parser_cases import CASES, ParserCase, Setup
+from tests.fixtures.parser_cases import ALL_CASES, CASES, ParserCase, Setup
 from tests.serverproc import ServerProcess
 from tests.sse import stream_post
 
 TOK = Tokenizer.load("qwen3")
 SETUPS: dict[str, Setup] = {}
 CASES_BY_SETUP: dict[str, list[ParserCase]] = defaultdict(list)
-for _case in CASES:
+for _case in ALL_CASES:  # pdserve's cases and the restated vLLM parser-test cases
     for _setup in _case.setups:
         SETUPS[_setup.label] = _setup
         CASES_BY_SETUP[_setup.label].append(_case)
@@ -189,7 +189,7 @@ def test_chat_parity(servers: Servers, label: str, case: ParserCase) -> None:
         assert inline_choice["token_ids"] == tokens["choices"][0]["token_ids"]
     for name, choices in streams.items():
         message = assemble([c["delta"] for c in choices])
-        assert {**message, "content": message["content"]} == want, name
+        assert message == {**want, "reasoning": case.streamed_reasoning}, name
         finals = [c["finish_reason"] for c in choices if c["finish_reason"] is not None]
         assert finals == [case.finish_reason], name
         assert stream_logprobs(choices) == logprob_view((coupled["logprobs"] or {}).get("content")), name
@@ -289,3 +289,71 @@ def test_n_parity(servers: Servers) -> None:
     for i in range(2):
         deltas = [e["choices"][0]["delta"] for e in events if e["choices"][0]["index"] == i]
         assert assemble(deltas) == expected(case)
+
+
+HELP = TOK.encode(" help")[0]
+# How a response ends: the generate sampling_params (also sent to derender as the request), and
+# what derender is given of the tokens response (a peer that reports no stop_reason; a "stop" finish
+# on an ordinary id).
+ENDINGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "eos": ({}, {}),
+    "stop_id": ({"stop_token_ids": [HELP]}, {}),
+    "stop_id_unreported": ({"stop_token_ids": [HELP]}, {"stop_reason": None}),
+    "stop_string": ({"stop": [" help"]}, {}),
+    "stop_string_unreported": ({"stop": [" help"]}, {"stop_reason": None}),
+    "length": ({"max_tokens": 4}, {}),
+    "stop_without_stop_token": ({"max_tokens": 4}, {"finish_reason": "stop", "stop_reason": None}),
+}
+
+
+@pytest.mark.parametrize("label", ["-+-", "-+hermes"])
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_derender_of_tokens_equals_generate_for_every_ending(servers: Servers, label: str, ending: str) -> None:
+    """Derender of a tokens response == generate text/derender of the same ids, however it ended."""
+    case = next(c for c in CASES if c.name == "plain_answer")
+    srv = servers.get(label)
+    params, rewrite = ENDINGS[ending]
+    # Special tokens kept in the text, so a stop token whose text is not left out would show.
+    chat = chat_body(label, case, skip_special_tokens=False, logprobs=False, top_logprobs=None, **params)
+    rendered = post(srv, "/v1/chat/completions/render", chat)
+    sp = {**rendered["sampling_params"], "skip_special_tokens": False, **params}
+    ids = rendered["token_ids"]
+    tokens = post(srv, "/inference/v1/generate", {**rendered, "sampling_params": sp, "return_token_ids": True})
+    text = post(srv, "/inference/v1/generate", {"token_ids": ids, "output_mode": "text", "sampling_params": sp})
+    inline = post(srv, "/inference/v1/generate", {**rendered, "sampling_params": sp, "output_mode": "derender"})
+    peer_choice = {**tokens["choices"][0], **rewrite}
+    peer = {**tokens, "choices": [peer_choice]}
+    want_finish = peer_choice["finish_reason"]
+    completion_request = {"prompt": ids, "skip_special_tokens": False, **params}
+    derendered_text = post(srv, "/v1/completions/derender", {
+        "generate_responses": [peer], "prompt_token_ids": [ids], "completion_request": completion_request,
+    })["choices"][0]
+    derendered_chat = post(srv, "/v1/chat/completions/derender", {
+        "generate_response": peer, "chat_request": chat, "prompt_token_ids": ids,
+    })["choices"][0]
+
+    want = text["choices"][0]
+    assert derendered_text["text"] == want["text"]
+    assert norm_message(derendered_chat["message"]) == norm_message(inline["choices"][0]["message"])
+    assert derendered_chat["message"]["content"] == want["text"]
+    for choice in (derendered_text, derendered_chat):
+        assert choice["stop_reason"] == want["stop_reason"]
+        assert choice["finish_reason"] == want_finish
+    if ending == "eos":
+        assert tokens["choices"][0]["token_ids"][-1] == TOK.eos_token_id and "<|im_end|>" not in want["text"]
+    if ending.startswith("stop_string"):
+        assert want["stop_reason"] == " help"
+    if ending.startswith("stop_id"):
+        assert want["stop_reason"] == HELP
+    # Streaming derender of the tokens stream (no stop strings there) ends where generate text ends.
+    if "stop_string" not in ending and ending != "stop_without_stop_token":
+        events, _ = stream_post(srv.url + "/inference/v1/generate", {"token_ids": ids, "stream": True,
+                                                                     "sampling_params": sp})
+        state, pieces = None, []
+        for event in events:
+            res = post(srv, "/v1/completions/derender", {"stream": True, "generate_chunk": event, "stream_state": state,
+                                                         "prompt_token_ids": ids,
+                                                         "completion_request": completion_request})
+            state = res["stream_state"]
+            pieces += [c["text"] for c in res["chunk"]["choices"]]
+        assert "".join(pieces) == want["text"]

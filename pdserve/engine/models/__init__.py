@@ -38,7 +38,10 @@ def model_config(raw: Mapping[str, Any]) -> ModelConfig:
     return ModelConfig.from_hf(raw)
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, max_positions: int) -> LlamaForCausalLM:
+def load_model(
+    model_dir: Path, dtype: torch.dtype, max_positions: int, *, batch_invariant: bool = False
+) -> LlamaForCausalLM:
     """Load weights (all safetensors shards) into the architecture's model class."""
     cfg = model_config(json.loads((model_dir / "config.json").read_text()))
-    return ARCHITECTURES[cfg.architecture](cfg, load_safetensors_dir(model_dir), dtype, max_positions)
+    state = load_safetensors_dir(model_dir)
+    return ARCHITECTURES[cfg.architecture](cfg, state, dtype, max_positions, batch_invariant=batch_invariant)

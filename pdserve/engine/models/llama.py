@@ -7,11 +7,15 @@ fused (QKV, gate+up) and prepacked for oneDNN (:class:`Linear`, ~1.8x the bandwi
 KV cache is preallocated.
 
 Batch invariance (a sequence decodes to the same tokens whatever else shares its batch)
-holds because every op is row-wise or computed per row with shapes that do not depend
-on the other rows: a packed oneDNN matmul gives each row the same bits for any M >= 2
-(M = 1 takes a GEMV path that rounds differently, so a lone row is computed as two), and
-decode attention pads keys past each row's length with a mask, which adds exact zeros
-only. tests/unit/engine/test_models.py checks both on the machine it runs on.
+needs every op to compute a row with shapes that do not depend on the other rows. Decode
+attention does: it is batched per (row, kv head) and pads keys past each row's length with
+a mask, which adds exact zeros only. The linears do only in the batch-invariant mode
+(``batch_invariant=True``): oneDNN chooses its matmul kernel by the number of rows (on CPUs
+with AMX, up to ~32 rows run an AVX-512 kernel and more rows the AMX tiles, which round
+differently), so by default a row's bits may change with the batch size. In the
+batch-invariant mode every linear kernel call has exactly :data:`INVARIANT_ROWS` rows,
+padded, so the choice cannot depend on the batch on any CPU. tests/unit/engine/test_models.py
+checks both modes; docs/engine.md has the speed cost.
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ import torch.nn.functional as F
 # Decode attention runs over a key span rounded up to this many positions: oneDNN compiles
 # a kernel per matmul shape, and a span growing by one every step recompiled it every step.
 ATTENTION_SPAN_ALIGN = 64
-# Largest decode batch computed in one pass (rows beyond run in further passes); the range
-# over which the packed matmuls were checked to be row-invariant.
+# Largest decode batch computed in one pass (rows beyond run in further passes).
 DECODE_MICROBATCH = 64
+# Rows of every linear-layer kernel call in the batch-invariant mode: the default max_num_seqs,
+# so a default server's decode step is one call per layer. Measured faster than 64 up to
+# batch 16 both with and without AMX (docs/engine.md).
+INVARIANT_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -139,24 +146,37 @@ class KVCache:
 class Linear:
     """``x @ weight.T`` with the weight reordered once into oneDNN's blocked layout.
 
-    A single row is computed as two (itself twice): oneDNN's one-row path rounds some
-    outputs differently from its batched path, which would make a sequence's tokens
-    depend on how many others share its step. Falls back to ``F.linear`` where torch
-    was built without oneDNN.
+    By default all rows go to the kernel in one call (the fastest), and a single row is
+    computed as two (itself twice), as oneDNN's one-row (GEMV) path rounds differently from
+    its batched one; its batched paths for different row counts agree with each other on
+    AVX-512 CPUs without AMX, not on CPUs with it. With ``fixed_rows=R`` every kernel call
+    gets exactly R rows (zero-padded, more rows in blocks of R): one shape means one kernel
+    and one reduction order for every call, so a row's result cannot depend on the rows it
+    shares a call with. Falls back to ``F.linear`` where torch was built without oneDNN
+    (padded the same way).
     """
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, fixed_rows: int | None = None) -> None:
         if torch.backends.mkldnn.is_available():
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, DECODE_MICROBATCH)
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, fixed_rows or DECODE_MICROBATCH)
             self._packed = True
         else:
             self.weight, self._packed = weight, False
+        self.fixed_rows = fixed_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.fixed_rows is not None:
+            blocks = F.pad(x, (0, 0, 0, -rows % self.fixed_rows)).split(self.fixed_rows)
+            out = self._matmul(blocks[0]) if len(blocks) == 1 else torch.cat([self._matmul(b) for b in blocks])
+            return out[:rows]
+        if rows == 1 and self._packed:
+            return self._matmul(torch.cat([x, x]))[:1]
+        return self._matmul(x)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if not self._packed:
             return F.linear(x, self.weight)
-        if x.shape[0] == 1:
-            return torch.ops.mkldnn._linear_pointwise(torch.cat([x, x]), self.weight, None, "none", [], "")[:1]
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
 
 
@@ -179,10 +199,17 @@ class LlamaForCausalLM:
     extra_layer_weights: ClassVar[dict[str, str]] = {}
 
     def __init__(
-        self, cfg: ModelConfig, state: Mapping[str, torch.Tensor], dtype: torch.dtype, max_positions: int
+        self,
+        cfg: ModelConfig,
+        state: Mapping[str, torch.Tensor],
+        dtype: torch.dtype,
+        max_positions: int,
+        *,
+        batch_invariant: bool = False,
     ) -> None:
         self.cfg, self.dtype = cfg, dtype
         remaining = dict(state)
+        fixed_rows = INVARIANT_ROWS if batch_invariant else None
 
         def take(name: str) -> torch.Tensor:
             try:
@@ -194,19 +221,21 @@ class LlamaForCausalLM:
         self.norm = take("model.norm.weight")
         if cfg.tie_word_embeddings:
             remaining.pop("lm_head.weight", None)
-            self.lm_head = Linear(self.embed)
+            self.lm_head = Linear(self.embed, fixed_rows)
         else:
-            self.lm_head = Linear(take("lm_head.weight"))
+            self.lm_head = Linear(take("lm_head.weight"), fixed_rows)
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             layer = LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=Linear(torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])),
-                o=Linear(take(p + "self_attn.o_proj.weight")),
+                qkv=Linear(torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]), fixed_rows),
+                o=Linear(take(p + "self_attn.o_proj.weight"), fixed_rows),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
-                down=Linear(take(p + "mlp.down_proj.weight")),
+                gate_up=Linear(
+                    torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]), fixed_rows
+                ),
+                down=Linear(take(p + "mlp.down_proj.weight"), fixed_rows),
             )
             for suffix, field in self.extra_layer_weights.items():
                 setattr(layer, field, take(p + suffix))

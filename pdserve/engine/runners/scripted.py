@@ -5,7 +5,12 @@ in advance, arrives ``tokens_per_step`` ids every ``step_ms`` milliseconds, and
 honours every engine-side sampling rule (max/min tokens, stop token ids, EOS,
 ignore_eos, n, abort) plus seeded pseudo logprobs. A script ends with EOS; while
 ``min_tokens`` (or ``ignore_eos``) forbids that, the script is replayed from its
-start and EOS comes at the end of the first pass that is allowed to end. Scripts are JSONL lines,
+start and EOS comes at the end of the first pass that is allowed to end.
+The hard constraints hold as in a model engine: an id that ``allowed_token_ids`` leaves out or
+``bad_words_token_ids`` bans at that point is skipped (the replay moves on to the next id, EOS
+included); when a whole pass offers nothing allowed, the lowest allowed id is emitted. The penalties
+and ``logit_bias`` only shift a distribution, and a script has none: they are validated, then have
+no effect. Scripts are JSONL lines,
 ``{"text": ...}`` (encoded with the server tokenizer) or ``{"token_ids": [...]}``,
 chosen round-robin per request unless ``sampling_params.extra_args.script_index``
 picks one. A line may add ``"fail_after": N`` to make the
@@ -85,6 +90,22 @@ class _Sequence:
     produced: int = 0
     cursor: int = 0
     done: bool = False
+    output: list[int] = field(default_factory=list)
+    allowed: frozenset[int] | None = None  # allowed_token_ids as a set
+
+
+
+
+def _banned(token: int, seq: _Sequence, sampling: SequenceSampling) -> bool:
+    """Whether allowed_token_ids or bad_words_token_ids forbid ``token`` as the sequence's next id."""
+    if seq.allowed is not None and token not in seq.allowed:
+        return True
+    out = seq.output
+    for word in sampling.bad_words_token_ids or ():
+        prefix = word[:-1]
+        if word[-1] == token and len(prefix) <= len(out) and out[len(out) - len(prefix) :] == prefix:
+            return True
+    return False
 
 
 class ScriptedEngine:
@@ -172,18 +193,38 @@ class ScriptedEngine:
     def _next_token(self, seq: _Sequence, sampling: SequenceSampling) -> tuple[int, str | None, int | str | None]:
         """The next id of a sequence and, if it ends there, (finish_reason, stop_reason)."""
         past_min = seq.produced + 1 > sampling.min_tokens
-        if seq.cursor >= len(seq.script):
-            if past_min and not sampling.ignore_eos:
-                return self._eos[0], "stop", None
-            seq.cursor = 0  # keep going: replay the script from its start
-        token = seq.script[seq.cursor]
-        seq.cursor += 1
+        for _ in range(len(seq.script) + 1):  # one replay pass at most, EOS included
+            token = self._candidate(seq, sampling, past_min)
+            if not _banned(token, seq, sampling):
+                break
+        else:
+            token = self._fallback(seq, sampling)
+        seq.output.append(token)
         if past_min:
-            if token in sampling.stop_token_ids:
-                return token, "stop", token
             if token in self._eos and not sampling.ignore_eos:
                 return token, "stop", None if token == self._eos[0] else token
+            if token in sampling.stop_token_ids:
+                return token, "stop", token
         return token, None, None
+
+    def _candidate(self, seq: _Sequence, sampling: SequenceSampling, past_min: bool) -> int:
+        """The script's next id; past its end EOS when the sequence may end, else the replay's first id."""
+        if seq.cursor >= len(seq.script):
+            seq.cursor = 0
+            if past_min and not sampling.ignore_eos:
+                return self._eos[0]
+        token = seq.script[seq.cursor]
+        seq.cursor += 1
+        return token
+
+    def _fallback(self, seq: _Sequence, sampling: SequenceSampling) -> int:
+        """The lowest id the constraints allow here, for when a whole script pass offers none."""
+        allowed = sampling.allowed_token_ids
+        ids = sorted(allowed) if allowed is not None else range(self.info.vocab_size)
+        for token in ids:
+            if not _banned(token, seq, sampling):
+                return token
+        raise EngineError("allowed_token_ids and bad_words_token_ids leave no id to emit")
 
     def _pseudo_logprobs(self, rng: random.Random, token: int, k: int) -> PositionLogprobs:
         """Deterministic fake candidates: the sampled id ranked first, k-1 other ids below it."""
@@ -228,18 +269,26 @@ class ScriptedEngine:
             stop_reason=stop_reason,
         )
 
+    def _validate(self, request: EngineRequest) -> None:
+        """Reject ids outside the vocabulary in the logits-processing params, as the torch engine does."""
+        problems = request.sampling.logits_problems(self.info.vocab_size)
+        if problems:
+            raise EngineError(f"invalid request {request.request_id!r}: " + "; ".join(problems))
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         if not self._alive:
             raise EngineDeadError("the scripted engine is not running")
         if request.request_id in self._live:
             raise ValueError(f"request id {request.request_id!r} is already running")
+        self._validate(request)
         sampling = request.sampling
         chosen = (request.extra_args or {}).get("script_index")
         if chosen is None:
             chosen = next(self._next_script)
         script = self._scripts[int(chosen) % len(self._scripts)]
         seed = sampling.seed if sampling.seed is not None else 0
-        seqs = [_Sequence(i, script.token_ids, random.Random(seed + i)) for i in range(sampling.n)]
+        allowed = None if sampling.allowed_token_ids is None else frozenset(sampling.allowed_token_ids)
+        seqs = [_Sequence(i, script.token_ids, random.Random(seed + i), allowed=allowed) for i in range(sampling.n)]
         budget = self.info.max_model_len - len(request.prompt_token_ids)
         live = _Live(n=sampling.n)
         self._live[request.request_id] = live

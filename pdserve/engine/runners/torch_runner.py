@@ -39,7 +39,9 @@ from pdserve.engine.channels import DONE, OutputChannels
 from pdserve.engine.factory import EngineSpec
 from pdserve.engine.model_registry import model_display_name, resolve_model
 from pdserve.engine.models import KVCache, LlamaForCausalLM, load_model, model_config
+from pdserve.engine.sampler import GREEDY_TEMPERATURE, SequenceState, request_rules, sample, token_logprobs
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.threads import configure_torch_threads
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Default context when --max-model-len is not given: the model's own, capped (the KV
@@ -49,10 +51,6 @@ DEFAULT_MAX_MODEL_LEN_CAP = 8192
 MAX_PREFILL_TOKENS = 2048
 # Rows of prompt logits materialised at once for prompt_logprobs.
 PROMPT_LOGPROBS_CHUNK = 256
-# Below this temperature sampling is greedy (as in vLLM).
-GREEDY_TEMPERATURE = 1e-5
-# top-p first looks at this many candidates and sorts the whole vocab only if they hold too little mass.
-TOP_P_CANDIDATES = 1024
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +89,14 @@ def read_model_facts(model_dir: Path) -> ModelFacts:
 class _Sequence:
     request: _Request
     index: int
-    generator: torch.Generator | None
-    output: list[int] = field(default_factory=list)
+    state: SequenceState  # what the sampler keeps per sequence: output ids, generator, penalty counts
     slot: int = -1
     num_cached: int = 0  # positions with keys/values in the cache
     live: bool = True
+
+    @property
+    def output(self) -> list[int]:
+        return self.state.output
 
 
 @dataclass(eq=False)
@@ -140,8 +141,10 @@ class StepLoop:
     def add(self, request: EngineRequest) -> None:
         sp = request.sampling
         req = _Request(request.request_id, list(request.prompt_token_ids), sp, frozenset(sp.stop_token_ids))
+        vocab = self.model.cfg.vocab_size
+        rules = request_rules(sp, req.prompt, vocab, self.eos_ids)
         for i in range(sp.n):
-            req.sequences.append(_Sequence(req, i, self._generator(sp, i)))
+            req.sequences.append(_Sequence(req, i, SequenceState(rules, self._generator(sp, i), vocab)))
         self.requests[req.request_id] = req
         self.scheduler.add(req)
 
@@ -214,13 +217,10 @@ class StepLoop:
     def _sample_and_emit(
         self, seqs: list[_Sequence], logits: torch.Tensor, prompt_logprobs: list[PositionLogprobs | None] | None
     ) -> None:
-        self._mask_min_tokens(seqs, logits)
-        tokens = sample(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs])
-        logprobs = token_logprobs(logits, tokens, [s.request.sampling.logprobs for s in seqs])
+        tokens, logprobs = sample(logits, [s.state for s in seqs])
         finished: list[_Sequence] = []
         for row, seq in enumerate(seqs):
             token = tokens[row]
-            seq.output.append(token)
             finish, reason = self._finish_reason(seq, token)
             self._emit(
                 EngineOutput(
@@ -237,15 +237,6 @@ class StepLoop:
                 finished.append(seq)
         for seq in sorted(finished, key=lambda s: -s.slot):
             self._retire(seq)
-
-    def _mask_min_tokens(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
-        """Until ``min_tokens`` are out, EOS (unless ignored) and stop ids cannot be sampled."""
-        for row, seq in enumerate(seqs):
-            sp = seq.request.sampling
-            if len(seq.output) < sp.min_tokens:
-                banned = seq.request.stop_ids if sp.ignore_eos else seq.request.stop_ids | self.eos_ids
-                if banned:
-                    logits[row, list(banned)] = float("-inf")
 
     def _finish_reason(self, seq: _Sequence, token: int) -> tuple[str | None, int | None]:
         sp, req = seq.request.sampling, seq.request
@@ -300,72 +291,6 @@ class StepLoop:
         return out
 
 
-# -- sampling ---------------------------------------------------------------------------
-
-
-def sample(logits: torch.Tensor, params: list[SequenceSampling], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row. Greedy rows take the argmax; the others draw from their own generator,
-    one uniform per token, so a seeded sequence's tokens never depend on its batch."""
-    tokens = [0] * len(params)
-    greedy = [i for i, g in enumerate(generators) if g is None]
-    if greedy:
-        for i, token in zip(greedy, logits[greedy].argmax(-1).tolist(), strict=True):
-            tokens[i] = token
-    for i, (sp, gen) in enumerate(zip(params, generators, strict=True)):
-        if gen is not None:
-            tokens[i] = _sample_row(logits[i], sp, gen)
-    return tokens
-
-
-def _sample_row(logits: torch.Tensor, sp: SequenceSampling, gen: torch.Generator) -> int:
-    """Temperature; top-k and top-p keep the smallest top set; min-p drops what is below min_p x the
-    top probability; then an inverse-CDF draw over what is left."""
-    probs = torch.softmax(logits / sp.temperature, -1)
-    vocab = probs.shape[0]
-    top_k = sp.top_k if 0 < sp.top_k < vocab else vocab
-    ids: torch.Tensor | None = None
-    if top_k < vocab or sp.top_p < 1.0:
-        want = min(top_k, TOP_P_CANDIDATES) if sp.top_p < 1.0 else top_k
-        values, ids = torch.topk(probs, want)
-        if want < top_k and float(values.sum()) < sp.top_p:  # the short list cannot reach top_p
-            values, ids = torch.topk(probs, top_k)
-        if sp.top_p < 1.0:
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            keep = int(((values.cumsum(0) - values) < sp.top_p).sum())
-            values, ids = values[:keep], ids[:keep]
-    else:
-        values = probs
-    if sp.min_p > 0.0:
-        values = torch.where(values >= sp.min_p * probs.max(), values, 0.0)
-    cdf = values.cumsum(0)
-    u = torch.rand((), generator=gen) * cdf[-1]
-    pick = min(int(torch.searchsorted(cdf, u, right=True)), cdf.shape[0] - 1)
-    return int(ids[pick]) if ids is not None else pick
-
-
-def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int | None]) -> list[PositionLogprobs | None]:
-    """Logprob and 1-based rank of each row's token plus the row's top-k (k = -1: whole vocab)."""
-    result: list[PositionLogprobs | None] = [None] * len(ks)
-    vocab = logits.shape[-1]
-    requested = [(i, vocab if k == -1 else min(k, vocab)) for i, k in enumerate(ks) if k is not None]
-    if not requested:
-        return result
-    rows, widths = [i for i, _ in requested], [k for _, k in requested]
-    logprobs = torch.log_softmax(logits[rows], -1)
-    chosen = torch.tensor([tokens[i] for i in rows])
-    chosen_lp = logprobs.gather(1, chosen[:, None])
-    ranks = ((logprobs > chosen_lp).sum(-1) + 1).tolist()
-    top_values, top_ids = torch.topk(logprobs, max(widths), -1)
-    top_values, top_ids, chosen_list = top_values.tolist(), top_ids.tolist(), chosen_lp[:, 0].tolist()
-    for j, (i, k) in enumerate(zip(rows, widths, strict=True)):
-        result[i] = PositionLogprobs(
-            token_ids=[tokens[i], *top_ids[j][:k]],
-            logprobs=[chosen_list[j], *top_values[j][:k]],
-            ranks=[ranks[j], *range(1, k + 1)],
-        )
-    return result
-
-
 # -- the asyncio facade -----------------------------------------------------------------
 
 
@@ -380,6 +305,7 @@ class TorchEngine:
         max_model_len: int | None = None,
         max_num_seqs: int = 16,
         seed: int = 0,
+        batch_invariant: bool = False,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -390,6 +316,7 @@ class TorchEngine:
         self._dtype = DTYPES[dtype]
         self._max_model_len = max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN_CAP)
         self._seed = seed
+        self.batch_invariant = batch_invariant
         self.info = EngineInfo(
             model_name=model_display_name(model),
             vocab_size=self._facts.vocab_size,
@@ -412,6 +339,7 @@ class TorchEngine:
             max_model_len=spec.max_model_len,
             max_num_seqs=spec.max_num_seqs,
             seed=spec.seed,
+            batch_invariant=spec.batch_invariant,
         )
 
     async def start(self) -> None:
@@ -489,6 +417,7 @@ class TorchEngine:
                 problems.append(f"{name} must be -1 (whole vocabulary), 0 or more")
         if any(not 0 <= t < self.info.vocab_size for t in sp.stop_token_ids):
             problems.append(f"stop_token_ids must be in [0, {self.info.vocab_size})")
+        problems.extend(sp.logits_problems(self.info.vocab_size))
         if problems:
             raise EngineError(f"invalid request {request.request_id!r}: " + "; ".join(problems))
 
@@ -496,9 +425,19 @@ class TorchEngine:
 
     def _run(self, loaded: concurrent.futures.Future[None]) -> None:
         # The weights are prepacked on this thread: packed on one thread and used on another,
-        # oneDNN's matmuls ran ~1.5x slower here.
+        # oneDNN's matmuls ran ~1.5x slower here. Threads are sized first, before any torch op
+        # on this thread (see pdserve/engine/threads.py).
         try:
-            model = load_model(self._facts.path, self._dtype, self._max_model_len)
+            self.info.intra_op_threads = configure_torch_threads()
+            log.info(
+                "torch engine %s: %d intra-op threads, batch_invariant=%s",
+                self.info.model_name,
+                self.info.intra_op_threads,
+                self.batch_invariant,
+            )
+            model = load_model(
+                self._facts.path, self._dtype, self._max_model_len, batch_invariant=self.batch_invariant
+            )
             steps = StepLoop(model, self._facts, self._max_model_len, self.info.max_num_seqs, self._seed)
         except Exception as exc:  # noqa: BLE001 - start() raises it
             loaded.set_exception(exc)

@@ -35,6 +35,12 @@ class ReasoningParser(ABC):
     name: ClassVar[str]
     REASONING_TAGS: ClassVar[TagSet]
     CONTENT_TAGS: ClassVar[TagSet | None]
+    # Whitespace at the very start of the output is dropped when ``<think>`` follows it
+    # (held until the first other text decides; released as reasoning otherwise).
+    DROPS_WHITESPACE_BEFORE_THINK: ClassVar[bool] = False
+    # A batch message reports reasoning ``""`` (not None) when the output started in
+    # reasoning but gave no reasoning text.
+    EMPTY_REASONING_IS_STRING: ClassVar[bool] = False
 
     @classmethod
     def validate(cls, vocab: Vocab) -> None:
@@ -51,7 +57,10 @@ class ReasoningParser(ABC):
         self._start_id = vocab.token_to_id(THINK_START)
         self._end_id = vocab.token_to_id(THINK_END)
         self.in_reasoning = self._starts_in_reasoning(prompt_token_ids)
+        self._started_in_reasoning = self.in_reasoning
         self._scanner = TagScanner()
+        self._at_start = self.in_reasoning and self.DROPS_WHITESPACE_BEFORE_THINK
+        self._leading = ""  # whitespace held while _at_start
 
     def _starts_in_reasoning(self, prompt_token_ids: Sequence[int] | None) -> bool:
         return prompt_token_ids is None or not self.is_reasoning_end(prompt_token_ids)
@@ -64,6 +73,11 @@ class ReasoningParser(ABC):
     def scanned(self) -> int:
         return self._scanner.scanned
 
+    @property
+    def reports_empty_reasoning(self) -> bool:
+        """Whether a batch message without reasoning text says ``""`` rather than None."""
+        return self.EMPTY_REASONING_IS_STRING and self._started_in_reasoning
+
     def feed(self, text: str, out: list[Event]) -> None:
         self._scanner.push(text)
         while True:
@@ -74,6 +88,8 @@ class ReasoningParser(ABC):
                     out.append(Content(rest))
                 return
             piece, tag = self._scanner.next(tags)
+            if self._at_start:
+                piece = self._leading_text(piece, tag)
             if piece:
                 out.append(Reasoning(piece) if self.in_reasoning else Content(piece))
             if tag is None:
@@ -84,6 +100,18 @@ class ReasoningParser(ABC):
                     out.append(Content(tag))
 
     def finish(self, out: list[Event]) -> None:
-        rest = self._scanner.drain()
+        rest = self._leading + self._scanner.drain()
+        self._leading = ""
         if rest:
             out.append(Reasoning(rest) if self.in_reasoning else Content(rest))
+
+    def _leading_text(self, piece: str, tag: str | None) -> str:
+        """While only whitespace has come: hold it; drop it at ``<think>``, release it before anything else."""
+        if tag is None and not piece.strip():
+            self._leading += piece
+            return ""
+        self._at_start = False
+        leading, self._leading = self._leading, ""
+        if tag == THINK_START and not piece.strip():
+            return ""
+        return leading + piece

@@ -2,6 +2,12 @@
 
 After ``</think>`` the output passes through untouched (later think tags stay
 literal content), which is the DeepSeek-R1 behaviour the reference describes.
+
+Two details follow vLLM's batch ``extract_reasoning``, which drops the text
+before ``<think>`` and always returns a reasoning string: whitespace before
+an opening ``<think>`` at the start of the output is dropped (only
+whitespace, so reasoning still streams at once), and a batch message that
+started in reasoning reports ``""`` when there was no reasoning text.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     name = "deepseek_r1"
     REASONING_TAGS = TagSet(THINK_START, THINK_END)
     CONTENT_TAGS = None
+    DROPS_WHITESPACE_BEFORE_THINK = True
+    EMPTY_REASONING_IS_STRING = True
 
     def is_reasoning_end(self, prompt_token_ids: Sequence[int]) -> bool:
         """Scan back over the whole prompt: the last think marker decides (none: not ended)."""

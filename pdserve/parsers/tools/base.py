@@ -11,8 +11,9 @@ and at the end of output released only if no tool call was made. So content
 before a call loses its trailing whitespace and whitespace-only content next
 to calls disappears, while content without calls is passed through verbatim.
 
-A markup region that never yields a function name (malformed or cut short)
-is released verbatim as content when it ends, so no model output is lost.
+A markup region that never becomes a tool call (malformed, or cut short
+before its name) is released verbatim as content when it ends, so no model
+output is lost.
 """
 
 from __future__ import annotations
@@ -55,8 +56,11 @@ class ToolParser(ABC):
     def feed(self, text: str, out: list[Event]) -> None: ...
 
     @abstractmethod
-    def finish(self, out: list[Event]) -> None:
-        """End of output: close open calls, release held text (subclasses end with ``_finish_content``)."""
+    def finish(self, out: list[Event], cut: bool) -> None:
+        """End of output: close open calls, release held text (subclasses end with ``_finish_content``).
+
+        ``cut`` says the output was cut short (finish reason ``length``) rather than ended by the model.
+        """
 
     def finalize_arguments(self, arguments: str) -> str:
         """The batch form of a call's concatenated argument pieces."""

@@ -2,17 +2,24 @@
 
 Each region's JSON body is read by a small top-level object machine that
 hands every value to a ``JsonValueScanner``, so each character is looked at
-once. The call starts (name delta) as soon as the ``"name"`` string is
-complete; the ``"arguments"`` value streams as the model's raw JSON text up to
-its closable prefix, and when the region ends early (cut at ``max_tokens``,
-broken JSON) the closer is appended, so the concatenated arguments are always
-valid JSON. Arguments that arrive before the name are held until the name is
-known. Batch arguments are the same text re-serialised with
-``json.dumps(..., ensure_ascii=False)``, so streamed and batch arguments are
-equal as parsed JSON.
+once. A region becomes a tool call only when that is certain, because a
+streamed call cannot be taken back:
+
+* when its body object closes as valid JSON with a string ``"name"``: the
+  call is released whole at that moment (name and arguments in one delta);
+* when the output is cut by ``length`` after the name: the arguments are
+  closed by appending the scanner's closer, so they are valid JSON.
+
+Any other region (broken JSON, a body that never closes before the region
+or the output ends, no name) is released verbatim as content, as vLLM's
+batch parser does when ``json.loads`` fails. Arguments that arrive before
+the name are fine (the body is read whole first). Batch arguments are the
+same text re-serialised with ``json.dumps(..., ensure_ascii=False)``, so
+streamed and batch arguments are equal as parsed JSON.
 
 Text outside regions is content (also after a call); a stray ``</tool_call>``
-outside a region is plain text.
+outside a region is plain text; anything after a closed body up to
+``</tool_call>`` is ignored.
 """
 
 from __future__ import annotations
@@ -48,17 +55,25 @@ class _HermesCall:
     """The JSON body of one ``<tool_call>`` region."""
 
     def __init__(self) -> None:
-        self.raw: list[str] | None = [TOOL_CALL_START]  # kept until the name is known, for the fallback
+        self.raw: list[str] = [TOOL_CALL_START]  # the region's text, released as content unless it becomes a call
         self.name: str | None = None
-        self.index: int | None = None
+        self.index: int | None = None  # set once released as a call
         self.arguments: JsonValueScanner | None = None
-        self.emitted_arguments = False
         self._state = _Body.START
         self._value: JsonValueScanner | None = None
         self._key: str | None = None
 
+    @property
+    def complete(self) -> bool:
+        """The body closed as a valid JSON object that named the function."""
+        return self._state is _Body.DONE and self.name is not None
+
+    @property
+    def broken(self) -> bool:
+        return self._state is _Body.BROKEN
+
     def feed(self, text: str) -> None:
-        if self.raw is not None:
+        if self.index is None:
             self.raw.append(text)
         pos, end = 0, len(text)
         while pos < end and self._state is not _Body.DONE and self._state is not _Body.BROKEN:
@@ -135,50 +150,53 @@ class HermesToolParser(ToolParser):
             if tag is None:
                 return
             if self._call is not None:
-                self._end_call(out, closed=tag == TOOL_CALL_END)
+                self._end_call(out, closed=tag == TOOL_CALL_END, cut=False)
             if tag == TOOL_CALL_START:
                 self._call = _HermesCall()
 
-    def finish(self, out: list[Event]) -> None:
+    def finish(self, out: list[Event], cut: bool) -> None:
         rest = self._scanner.drain()
         if rest:
             self._text(rest, out)
         if self._call is not None:
-            self._end_call(out, closed=False)
+            self._end_call(out, closed=False, cut=cut)
         self._finish_content(out)
 
     def finalize_arguments(self, arguments: str) -> str:
         return json.dumps(json.loads(arguments, strict=False), ensure_ascii=False)
 
     def _text(self, text: str, out: list[Event]) -> None:
-        if self._call is None:
+        call = self._call
+        if call is None:
             self._content(text, out)
-        else:
-            self._call.feed(text)
-            self._emit(self._call, out)
+            return
+        call.feed(text)
+        if call.index is None and call.complete:
+            self._release(call, out)
 
-    def _emit(self, call: _HermesCall, out: list[Event]) -> None:
-        if call.index is None:
-            if call.name is None:
-                return
-            call.index = self._start_call(call.name, out)
-            call.raw = None
+    def _release(self, call: _HermesCall, out: list[Event]) -> None:
+        """Emit the region as one tool call: its name, then all of its (closed) arguments."""
+        assert call.name is not None
+        call.index = self._start_call(call.name, out)
+        call.raw.clear()
+        arguments = ""
         if call.arguments is not None:
-            piece = call.arguments.take()
-            if piece:
-                out.append(ToolArgs(call.index, piece))
-                call.emitted_arguments = True
+            arguments = call.arguments.take()
+            if arguments:
+                arguments += call.arguments.closer()
+        out.append(ToolArgs(call.index, arguments or "{}"))
 
-    def _end_call(self, out: list[Event], closed: bool) -> None:
+    def _end_call(self, out: list[Event], closed: bool, cut: bool) -> None:
+        """The region ended (closing tag, a new ``<tool_call>``, or the end of output)."""
         call = self._call
         assert call is not None
         self._call = None
+        if call.index is not None:
+            return  # released when its body closed
+        # A body cut short by max_tokens is still the call the model was making; a broken one is not.
+        keep_cut = cut and call.name is not None and not call.broken
         call.finish()
-        self._emit(call, out)
-        if call.index is None:
-            assert call.raw is not None
+        if call.complete or keep_cut:
+            self._release(call, out)
+        else:
             self._content("".join(call.raw) + (TOOL_CALL_END if closed else ""), out)
-        elif not call.emitted_arguments:
-            out.append(ToolArgs(call.index, "{}"))
-        elif call.arguments is not None and not call.arguments.done:
-            out.append(ToolArgs(call.index, call.arguments.closer()))

@@ -108,7 +108,8 @@ class Qwen3CoderToolParser(ToolParser):
                 return
             self._tag(tag, out)
 
-    def finish(self, out: list[Event]) -> None:
+    def finish(self, out: list[Event], cut: bool) -> None:
+        """``cut`` changes nothing here: a call whose name is known stays a call, closed either way."""
         rest = self._scanner.drain()
         if rest:
             self._text(rest, out)

@@ -4,6 +4,11 @@ The XML format carries every value as text. Clients expect JSON arguments
 typed like the tool's JSON schema, so ``"5"`` becomes ``5`` for an integer
 property. A value that does not fit any declared type stays a string (the
 model's text is never lost), and without a schema every value is a string.
+
+Numbers follow vLLM's qwen3_coder: schema type ``"float"`` (not JSON Schema,
+but common in hand-written tool specs) means ``"number"``, and a number with a
+whole value is reported as an integer (``5.0`` -> ``5``), so clients that
+compare arguments by type see the same JSON as from vLLM.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from pdserve.protocol.openai import ChatCompletionToolsParam
 _INTEGER = re.compile(r"[-+]?[0-9]+")
 _NUMBER = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 _JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null"}
+
+# Non-JSON-Schema type names that models' tool specs use, mapped to the JSON type they mean.
+_TYPE_ALIASES = {"float": "number"}
 
 STRING_ONLY = frozenset({"string"})
 
@@ -40,9 +48,9 @@ def schema_types(schema: Any) -> frozenset[str]:
         return frozenset()
     declared = schema.get("type")
     if isinstance(declared, str):
-        return frozenset({declared})
+        return frozenset({_TYPE_ALIASES.get(declared, declared)})
     if isinstance(declared, list):
-        return frozenset(t for t in declared if isinstance(t, str))
+        return frozenset(_TYPE_ALIASES.get(t, t) for t in declared if isinstance(t, str))
     types: set[str] = set()
     for key in ("anyOf", "oneOf"):
         for option in schema.get(key) or ():
@@ -70,7 +78,7 @@ def coerce(value: str, types: frozenset[str]) -> Any:
     if "number" in types and _NUMBER.fullmatch(text):
         number = float(text)
         if math.isfinite(number):
-            return number
+            return int(number) if number.is_integer() else number
     if types & {"object", "array"}:
         try:
             parsed = json.loads(text, parse_constant=_reject_constant)

@@ -71,16 +71,41 @@ def positions_of(logprobs: GenerateLogProbs | None) -> list[PositionLogprobs] | 
     return out
 
 
-def _stop_config(stop_reason: int | str | None, request: ChatCompletionRequest | CompletionRequest | None) -> StopConfig:
-    """Stop strings to re-cut with: the engine's matched string, else the request's list."""
-    include = bool(request and request.include_stop_str_in_output)
-    min_tokens = request.min_tokens if request else 0
+def _eos_token_ids(state: AppState) -> tuple[int, ...]:
+    """The model's EOS ids, primary first: the engine's where there is one (so derender agrees with
+    generate on the same server), else those of the tokenizer dir (a render server)."""
+    if state.engine is not None:
+        return tuple(state.engine.info.eos_token_ids)
+    return state.tokenizer.eos_token_ids if state.tokenizer is not None else ()
+
+
+def _stop_tokens_config(state: AppState, request: ChatCompletionRequest | CompletionRequest | None) -> StopConfig:
+    """What tells a stop token at the end of a response: the request's stop ids, the model's EOS ids."""
+    if request is None:
+        return StopConfig(eos_token_ids=_eos_token_ids(state))
+    return StopConfig(
+        include_stop_str_in_output=request.include_stop_str_in_output, min_tokens=request.min_tokens,
+        stop_token_ids=frozenset(request.stop_token_ids or ()), eos_token_ids=_eos_token_ids(state),
+        ignore_eos=request.ignore_eos,
+    )
+
+
+def _stop_config(
+    state: AppState, finish_reason: str | None, stop_reason: int | str | None,
+    request: ChatCompletionRequest | CompletionRequest | None,
+) -> StopConfig:
+    """Batch derender: stop strings to re-cut with, as vLLM does. None unless the response finished
+    with "stop" and no stop token id; the matched string when the engine reported one (tokens mode
+    returns the ids up to the one that completed it); else the request's list."""
+    config = _stop_tokens_config(state, request)
+    if finish_reason != "stop" or isinstance(stop_reason, int):
+        return config
     if isinstance(stop_reason, str):
-        return StopConfig((stop_reason,), include, min_tokens)
+        return replace(config, stop=(stop_reason,))
     stops = request.stop if request else None
     if isinstance(stops, str):
         stops = [stops]
-    return StopConfig(tuple(s for s in stops or () if s), include, min_tokens)
+    return replace(config, stop=tuple(s for s in stops or () if s))
 
 
 def _check_bounds(state: AppState, choices: Sequence[GenerateTokensChoice], prompt_ids: Sequence[int] | None) -> None:
@@ -157,7 +182,8 @@ async def chat_derender(request: Request) -> JSONResponse:
     _check_bounds(state, gen.choices, prompt_ids)
     choices = []
     for c in gen.choices:
-        config = _chat_config(state, chat, prompt_ids, _stop_config(c.stop_reason, chat), False, c.logprobs is not None)
+        stop = _stop_config(state, c.finish_reason or "stop", c.stop_reason, chat)
+        config = _chat_config(state, chat, prompt_ids, stop, False, c.logprobs is not None)
         cs = _replay_final(config, c, gen.request_id)
         message, finish, hide = cs.final_message()
         logprobs = ChatCompletionLogProbs(content=cs.decoded_logprobs) if c.logprobs is not None and not hide else None
@@ -189,6 +215,51 @@ def _stream_choice(
     if any(t < 0 or t >= vocab for t in choice.token_ids or []):
         raise RequestError(f"choice {choice.index} has token ids outside the vocabulary")
     return choice
+
+
+def _vllm_window_ids(state: AppState, window: list[str]) -> list[int]:
+    """The ids of vLLM's plain decode window (``prev_tokens``, token strings; "" for a skipped special)."""
+    ids = []
+    for token in window:
+        token_id = state.tokenizer.token_to_id(token) if token else None  # type: ignore[union-attr]
+        if token and token_id is None:
+            raise RequestError(f"invalid stream_state: prev_tokens holds {token!r}, which is not a token of this "
+                               "model", param="stream_state.prev_tokens")
+        if token_id is not None:
+            ids.append(token_id)
+    return ids
+
+
+def _carried_state(
+    state: AppState, previous: DerenderStreamState, prompt_ids: Sequence[int], delta_ids: Sequence[int], parsed: bool
+) -> DerenderStreamState:
+    """Check the client-carried state against this server and chunk, in pdserve's terms.
+
+    A state that cannot belong to this stream is a 400, never a 200 with text made up from part of
+    it. On the plain path a state that only holds vLLM's decode window continues from that window.
+    """
+    if not parsed and previous.prev_tokens and not previous.output_token_ids:
+        previous = previous.model_copy(update={
+            "output_token_ids": _vllm_window_ids(state, previous.prev_tokens)[-PLAIN_REPLAY_IDS:],
+            "prev_tokens": [], "prefix_offset": 0, "read_offset": 0,
+        })
+    limit = _max_len(state)
+    total = len(prompt_ids) + len(previous.output_token_ids) + len(delta_ids)
+    if total > limit:
+        raise RequestError(
+            f"prompt_token_ids ({len(prompt_ids)}) + stream_state.output_token_ids ({len(previous.output_token_ids)})"
+            f" + this chunk's token_ids ({len(delta_ids)}) is {total} ids, over max_model_len ({limit})",
+            param="stream_state.output_token_ids",
+        )
+    vocab = state.tokenizer.vocab_size  # type: ignore[union-attr]
+    for name in ("output_token_ids", "logprob_context_token_ids"):
+        if any(t < 0 or t >= vocab for t in getattr(previous, name)):
+            raise RequestError(f"invalid stream_state: {name} has ids outside the vocabulary",
+                               param=f"stream_state.{name}")
+    if parsed and sum(previous.output_chunk_lens) != len(previous.output_token_ids):
+        raise RequestError("invalid stream_state: output_chunk_lens must sum to len(output_token_ids) (the "
+                           "parser replays every earlier chunk)", param="stream_state.output_chunk_lens")
+    return previous
 
 
 def _replayed_choice(
@@ -274,11 +345,10 @@ def _chat_derender_stream(req: DerenderChatStreamRequest, state: AppState) -> JS
                  "usage": usage.model_dump() if usage else None}
         return JSONResponse({"chunk": empty, "stream_state": previous.model_dump()})
     delta_ids = choice.token_ids or []
-    if len(prompt_ids) + len(previous.output_token_ids) + len(delta_ids) > _max_len(state) and parsed:
-        raise RequestError("stream_state plus this chunk is longer than the model length")
+    previous = _carried_state(state, previous, prompt_ids, delta_ids, parsed)
     # Logprobs belong to this chunk's own ids (not to the text it happens to release), so they are
     # decoded here with the carried context rather than by the replayed choice.
-    config = _chat_config(state, chat, prompt_ids, StopConfig(), True, False)
+    config = _chat_config(state, chat, prompt_ids, _stop_tokens_config(state, chat), True, False)
     cs, update = _continue_stream(config, previous, parsed, choice, gchunk.request_id)
     rstate = RequestState(gchunk.request_id, choice.index + 1, config)
     rstate.choices[choice.index] = cs
@@ -323,8 +393,8 @@ async def completion_derender(request: Request) -> JSONResponse:
         config = _completion_config(state, req.completion_request, prompt_ids, StopConfig(), True)
         rstate = RequestState(gen.request_id, len(gen.choices), config)
         for c in gen.choices:
-            cfg = _completion_config(state, req.completion_request, prompt_ids,
-                                     _stop_config(c.stop_reason, req.completion_request), c.logprobs is not None)
+            stop = _stop_config(state, c.finish_reason or "stop", c.stop_reason, req.completion_request)
+            cfg = _completion_config(state, req.completion_request, prompt_ids, stop, c.logprobs is not None)
             rstate.choices[c.index] = _replay_final(cfg, c, gen.request_id)
         states.append(rstate)
     return_ids = bool(req.completion_request and req.completion_request.return_token_ids)
@@ -352,7 +422,8 @@ def _completion_derender_stream(req: DerenderCompletionStreamRequest, state: App
                  "usage": gchunk.usage.model_dump() if gchunk.usage else None}
         return JSONResponse({"chunk": empty, "stream_state": previous.model_dump()})
     delta_ids = choice.token_ids or []
-    config = _completion_config(state, creq, prompt_ids, StopConfig(), False)
+    previous = _carried_state(state, previous, prompt_ids, delta_ids, False)
+    config = _completion_config(state, creq, prompt_ids, _stop_tokens_config(state, creq), False)
     cs, update = _continue_stream(config, previous, False, choice, gchunk.request_id)
     new_state = _next_state(previous, delta_ids, False)
     update.token_ids = delta_ids

@@ -26,7 +26,10 @@ router = APIRouter()
 
 
 def engine_request(req: GenerateRequest, request_id: str, max_tokens: int) -> EngineRequest:
+    """The engine's view of a validated request (validation tokenized ``bad_words`` into id sequences)."""
     sp = req.sampling_params
+    if sp.bad_words and sp.bad_words_token_ids is None:
+        raise RuntimeError("bad_words reached the engine untokenized: validate_generate must run first")
     return EngineRequest(
         request_id=request_id,
         prompt_token_ids=req.token_ids,
@@ -41,6 +44,12 @@ def engine_request(req: GenerateRequest, request_id: str, max_tokens: int) -> En
             seed=sp.seed,
             stop_token_ids=sp.stop_token_ids,
             ignore_eos=sp.ignore_eos,
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty,
+            logit_bias=sp.logit_bias,
+            allowed_token_ids=sp.allowed_token_ids,
+            bad_words_token_ids=sp.bad_words_token_ids,
             logprobs=sp.logprobs,
             prompt_logprobs=sp.prompt_logprobs,
         ),
@@ -69,7 +78,11 @@ def output_config(state: AppState, req: GenerateRequest, completions_cut: bool =
         prompt_token_ids=req.token_ids,
         tokenizer=state.tokenizer,
         skip_special_tokens=skip_special,
-        stop=StopConfig(tuple(sp.stop), sp.include_stop_str_in_output, sp.min_tokens),
+        # The engine's EOS ids, so a stop on EOS is told from any other "stop" the same way derender does.
+        stop=StopConfig(
+            tuple(sp.stop), sp.include_stop_str_in_output, sp.min_tokens, frozenset(sp.stop_token_ids),
+            tuple(state.require_engine().info.eos_token_ids), sp.ignore_eos,
+        ),
         want_logprobs=sp.logprobs is not None,
         top_logprobs_limit=top_limit,
         parser_factory=parser_factory,
@@ -81,7 +94,8 @@ def prepare(
     state: AppState, req: GenerateRequest, request_id: str, completions_cut: bool = False
 ) -> tuple[EngineRequest, RequestState]:
     """The engine request and its request-scoped output state (call after validation)."""
-    max_tokens = resolve_max_tokens(state.require_engine().info.max_model_len, req)
+    model_max_tokens = state.tokenizer.generation_defaults.get("max_tokens") if state.tokenizer else None
+    max_tokens = resolve_max_tokens(state.require_engine().info.max_model_len, req, model_max_tokens)
     rstate = RequestState(request_id, req.sampling_params.n, output_config(state, req, completions_cut))
     return engine_request(req, request_id, max_tokens), rstate
 

@@ -30,9 +30,10 @@ coupled_router = APIRouter()
 
 
 def rendered_json(req: GenerateRequest) -> dict[str, Any]:
-    """A GenerateRequest as /render returns it: sampling_params carry only what was set."""
+    """A GenerateRequest as vLLM 0.33's /render returns it: every top-level key (nulls included) and
+    sampling_params as vLLM serializes them, so either server's render feeds either server's generate."""
     body = req.model_dump(mode="json", exclude={"chat_request"})
-    body["sampling_params"] = req.sampling_params.model_dump(mode="json", exclude_unset=True)
+    body["sampling_params"] = req.sampling_params.vllm_json()
     return body
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
+from pdserve.engine import model_registry
 from pdserve.engine.model_registry import resolve_model
 
 
@@ -81,10 +81,19 @@ def test_smollm2_tokenizer_round_trips_text(smollm2_tokenizer: Tokenizer, text: 
     assert smollm2_tokenizer.decode(ids, skip_special_tokens=False) == text
 
 
-def test_resolving_a_built_model_is_fast(smollm2: Path) -> None:
-    started = time.perf_counter()
+def file_identities(model_dir: Path) -> dict[str, tuple[int, int]]:
+    """(inode, mtime) of every file in a dir: a rebuild renames a new dir into place, changing both."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in model_dir.iterdir()}
+
+
+def test_resolving_a_built_model_reuses_it(smollm2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_rebuild(source: Path, out: Path) -> None:
+        raise AssertionError(f"the built model was converted again from {source}")
+
+    before = file_identities(smollm2)
+    monkeypatch.setattr(model_registry, "convert_gguf", no_rebuild)
     assert resolve_model("smollm2-135m") == smollm2
-    assert time.perf_counter() - started < 0.5
+    assert file_identities(smollm2) == before
 
 
 def test_qwen3_tiny_and_local_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -120,3 +120,36 @@ def test_failure_and_dead_engine() -> None:
 
     with pytest.raises(EngineDeadError):
         asyncio.run(dead())
+
+
+def test_allowed_token_ids_skip_the_ids_they_leave_out() -> None:
+    assert ids(run(engine(), max_tokens=100, allowed_token_ids=[10, 12, 14, EOS])) == [10, 12, 14, EOS]
+    outs = run(engine(), max_tokens=6, allowed_token_ids=[11, 13])
+    assert ids(outs) == [11, 13, 11, 13, 11, 13] and outs[-1].finish_reason == "length", "EOS left out: replay"
+    assert ids(run(engine(), max_tokens=3, allowed_token_ids=[50, 40])) == [40, 40, 40], "nothing allowed: lowest"
+
+
+def test_bad_words_are_skipped_where_they_would_complete() -> None:
+    assert ids(run(engine(), max_tokens=100, bad_words_token_ids=[[12]])) == [10, 11, 13, 14, EOS]
+    assert ids(run(engine(), max_tokens=100, bad_words_token_ids=[[11, 12]])) == [10, 11, 13, 14, EOS]
+    assert ids(run(engine(), max_tokens=100, bad_words_token_ids=[[10, 12]])) == SCRIPT + [EOS]
+    outs = run(engine(), max_tokens=7, bad_words_token_ids=[[14, EOS]])
+    assert ids(outs) == SCRIPT + [10, 11], "EOS right after 14 is banned, so the script replays"
+
+
+def test_penalties_and_logit_bias_leave_the_script_as_it_is() -> None:
+    shifted = {"presence_penalty": 1.5, "frequency_penalty": -1.0, "repetition_penalty": 1.3, "logit_bias": {10: -99.0}}
+    assert ids(run(engine(), max_tokens=100, **shifted)) == SCRIPT + [EOS]
+
+
+def test_out_of_vocabulary_ids_in_logits_params_are_rejected() -> None:
+    cases = [
+        ({"logit_bias": {100: 1.0}}, "logit_bias token ids"),
+        ({"allowed_token_ids": [5, 100]}, "allowed_token_ids must be in"),
+        ({"bad_words_token_ids": [[3, -1]]}, "bad_words_token_ids must be in"),
+        ({"allowed_token_ids": [12], "bad_words_token_ids": [[12]]}, "ban every id in allowed_token_ids"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty must be greater than zero"),
+    ]
+    for sampling, message in cases:
+        with pytest.raises(EngineError, match=message):
+            run(engine(), **sampling)

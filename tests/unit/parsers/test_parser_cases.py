@@ -24,9 +24,11 @@ from parser_support import (
 
 from pdserve.parsers import ChatParser
 from pdserve.text.tokenizer import Tokenizer
-from tests.fixtures.parser_cases import CASES, CASES_BY_NAME, ParserCase, Setup
+from tests.fixtures.parser_cases import ALL_CASES, CASES_BY_NAME, ParserCase, Setup
 
-CASE_SETUPS = [pytest.param(case, setup, id=f"{case.name}[{setup.label}]") for case in CASES for setup in case.setups]
+CASE_SETUPS = [
+    pytest.param(case, setup, id=f"{case.name}[{setup.label}]") for case in ALL_CASES for setup in case.setups
+]
 CODER_NAMES = ("qwen3_coder", "qwen3_xml")
 PROPERTY = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -66,7 +68,7 @@ def test_stream_matches_batch(tokenizer: Tokenizer, case: ParserCase, setup: Set
     _, message, finish = _batch(tokenizer, case, setup)
     assert_stream_matches_batch(folded, message, finish, exact_args=setup.tools in CODER_NAMES)
     assert (folded.content or "") == (case.content or "")
-    assert folded.reasoning == case.reasoning
+    assert folded.reasoning == case.streamed_reasoning
 
 
 @pytest.mark.parametrize(("case", "setup"), CASE_SETUPS)

@@ -126,6 +126,47 @@ def test_qwen3_thinking_disabled_without_prompt_starts_in_content(tokenizer: Tok
     assert (message.reasoning, message.content) == (None, "Just this.")
 
 
+@pytest.mark.parametrize(
+    ("reasoning_parser", "text", "expected"),
+    [
+        ("deepseek_r1", "\n<think>a</think>b", ("a", "b")),
+        ("deepseek_r1", " \n\t<think>a</think>b", ("a", "b")),
+        ("deepseek_r1", "\nabc</think>b", ("\nabc", "b")),
+        ("deepseek_r1", "\n</think>b", ("\n", "b")),
+        ("deepseek_r1", "\n", ("\n", None)),
+        # Only whitespace is dropped: other text before <think> stays reasoning (vLLM's batch drops it).
+        ("deepseek_r1", "x\n<think>a</think>b", ("x\na", "b")),
+        ("deepseek_r1", "<think>a\n<think>b</think>c", ("a\nb", "c")),
+        # qwen3 swallows <think> wherever it comes in reasoning and keeps all other reasoning text.
+        ("qwen3", "\n<think>a</think>b", ("\na", "b")),
+    ],
+)
+def test_whitespace_before_think(
+    tokenizer: Tokenizer, reasoning_parser: str, text: str, expected: tuple[str | None, str | None]
+) -> None:
+    config = ParserConfig(reasoning_parser)
+    message, _ = ChatParser(config, tokenizer, _request(), None).parse(text, [], "stop")
+    assert (message.reasoning, message.content) == expected
+    for size in (1, 2, 3):
+        steps = [(text[i : i + size], []) for i in range(0, len(text), size)]
+        folded = stream(ChatParser(config, tokenizer, _request(), None), steps, "stop", size == 2)
+        assert (folded.reasoning, folded.content) == expected
+
+
+def test_empty_reasoning_is_a_string_for_deepseek_r1_only(tokenizer: Tokenizer) -> None:
+    """vLLM's deepseek_r1 always returns a reasoning string when it parsed reasoning; qwen3 gives None."""
+    for text in ("", "</think>rest"):
+        r1, _ = ChatParser(ParserConfig("deepseek_r1"), tokenizer, _request(), None).parse(text, [], "stop")
+        qwen3, _ = ChatParser(ParserConfig("qwen3"), tokenizer, _request(), None).parse(text, [], "stop")
+        assert (r1.reasoning, qwen3.reasoning) == ("", None)
+    closed = tokenizer.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    after_prompt, _ = ChatParser(ParserConfig("deepseek_r1"), tokenizer, _request(), closed).parse("", [], "stop")
+    hidden, _ = ChatParser(ParserConfig("deepseek_r1"), tokenizer, _request(include_reasoning=False), None).parse(
+        "</think>rest", [], "stop"
+    )
+    assert (after_prompt.reasoning, hidden.reasoning) == (None, None)
+
+
 # ---------------------------------------------------------------- streaming mechanics
 
 
@@ -148,8 +189,8 @@ def test_finish_only_step_closes_unstreamed_tool_arguments(tokenizer: Tokenizer)
 
 def test_whitespace_before_a_tool_call_is_deferred_then_dropped(tokenizer: Tokenizer) -> None:
     parser = ChatParser(QWEN3_HERMES_CONFIG, tokenizer, _request(tools=[WEATHER]), None)
-    assert _step_all(parser, ["<think>\nr\n</think>", "\n\n"])[-1] is None
-    delta, _ = parser.step('<tool_call>\n{"name": "get_weather"', [], None)
+    assert _step_all(parser, ["<think>\nr\n</think>", "\n\n", '<tool_call>\n{"name": "get_weather"'])[-1] is None
+    delta, _ = parser.step(', "arguments": {}}', [], None)
     assert delta is not None and delta.content is None and delta.tool_calls[0].function.name == "get_weather"
 
 
@@ -245,6 +286,45 @@ def test_hermes_arguments_before_name_are_held_until_the_name(tokenizer: Tokeniz
     assert finish == "tool_calls"
 
 
+def test_hermes_call_is_released_whole_when_its_body_closes(tokenizer: Tokenizer) -> None:
+    """A streamed call cannot be taken back, so nothing of it is sent before its JSON is known to be valid."""
+    parser = ChatParser(QWEN3_HERMES_CONFIG, tokenizer, _request(tools=[WEATHER]), None)
+    pieces = ["<think>\nr\n</think>\n\n<tool_call>\n", '{"name": "get_weather", ', '"arguments": {"city": "Pa', 'ris"}']
+    assert _step_all(parser, pieces)[1:] == [None, None, None]
+    delta, _ = parser.step("}", [], None)
+    assert delta is not None and [(c.index, c.function.name, c.function.arguments) for c in delta.tool_calls] == [
+        (0, "get_weather", '{"city": "Paris"}')
+    ]
+    assert parser.step("\n</tool_call>", [], "stop") == (None, "tool_calls")
+
+
+@pytest.mark.parametrize("finish_reason", ["stop", "abort", None])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>\n{"name": "f", "arguments": {"x": true}',  # the body never closes
+        '<tool_call>\n{"name": "f", "arguments": {"x": true}\n</tool_call>',
+        '<tool_call>\n{"name": "f", "arguments": {"x": tru}}\n</tool_call>',  # broken inside the arguments
+        '<tool_call>\n{"name": "f", "arguments": {"x": 1}<tool_call>',  # a new region starts first
+    ],
+)
+def test_hermes_broken_json_is_content_not_a_call(tokenizer: Tokenizer, text: str, finish_reason: str | None) -> None:
+    request = _request(tools=[WEATHER])
+    message, finish = ChatParser(QWEN3_HERMES_CONFIG, tokenizer, request, []).parse(text, [], finish_reason)
+    assert (message.content, message.tool_calls, finish) == (text, [], finish_reason or "stop")
+    steps = [(char, []) for char in text]
+    folded = stream(ChatParser(QWEN3_HERMES_CONFIG, tokenizer, request, []), steps, finish_reason or "stop", True)
+    assert (folded.content, folded.calls) == (text, {})
+
+
+def test_hermes_body_cut_by_length_after_the_name_stays_a_call(tokenizer: Tokenizer) -> None:
+    """pdserve's documented difference: max_tokens cut a call short; the model did not break it."""
+    text = '<tool_call>\n{"name": "f", "arguments": {"x": true}'
+    message, finish = ChatParser(QWEN3_HERMES_CONFIG, tokenizer, _request(tools=[WEATHER]), []).parse(text, [], "length")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [("f", {"x": True})]
+    assert (message.content, finish) == (None, "length")
+
+
 def _json_values() -> st.SearchStrategy[Any]:
     scalars = (
         st.none()
@@ -310,6 +390,10 @@ def test_schema_types() -> None:
     assert schema_types({"anyOf": [{"type": "number"}, {"type": "boolean"}]}) == {"number", "boolean"}
     assert schema_types({"enum": ["a", 1]}) == {"string", "integer"}
     assert schema_types({"description": "untyped"}) == frozenset()
+    # "float" is not JSON Schema, but tool specs use it and vLLM reads it as a number.
+    assert schema_types({"type": "float"}) == {"number"}
+    assert schema_types({"type": ["float", "null"]}) == {"number", "null"}
+    assert schema_types({"anyOf": [{"type": "float"}]}) == {"number"}
 
 
 @pytest.mark.parametrize(
@@ -320,6 +404,11 @@ def test_schema_types() -> None:
         ("5.5", {"integer"}, "5.5"),
         ("5.5", {"number"}, 5.5),
         ("7", {"number"}, 7),
+        ("5.0", {"number"}, 5),
+        ("-2.50", {"number"}, -2.5),
+        ("1e3", {"number"}, 1000),
+        ("3.14", {"float"}, "3.14"),  # coerce takes JSON types; schema_types maps "float" to "number"
+        ("5.0", {"integer"}, "5.0"),
         ("1e999", {"number"}, "1e999"),
         ("NaN", {"number"}, "NaN"),
         ("True", {"boolean"}, True),
@@ -349,6 +438,43 @@ def test_coder_value_newlines_and_fallback_name(tokenizer: Tokenizer) -> None:
         "Hi <tool_call>\n<function=get_wea", [], "length"
     )
     assert (cut.content, cut.tool_calls) == ("Hi <tool_call>\n<function=get_wea", [])
+
+
+def test_coder_float_and_whole_number_parameters(tokenizer: Tokenizer) -> None:
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "measure",
+            "parameters": {"type": "object", "properties": {"ratio": {"type": "float"}, "size": {"type": "number"}}},
+        },
+    }
+    coder = ParserConfig(None, "qwen3_coder", enable_auto_tool_choice=True)
+    text = "<tool_call>\n<function=measure>\n" + "".join(
+        f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in (("ratio", "3.14"), ("size", "5.0"))
+    ) + "</function>\n</tool_call>"
+    message, _ = ChatParser(coder, tokenizer, _request(tools=[tool]), None).parse(text, [], "stop")
+    assert message.tool_calls[0].function.arguments == '{"ratio": 3.14, "size": 5}'
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # vLLM regression inputs (PR #36774): a function tag without its '>' must not break parsing.
+        "<tool_call>\n<function=get_current_weather\n<parameter=city>Dallas</parameter>\n</function>\n</tool_call>",
+        "<tool_call>\n<function=bad_func_no_gt\n</function>\n</tool_call>\n<tool_call>\n<function=get_current_weather>\n"
+        "<parameter=city>Dallas</parameter>\n<parameter=state>TX</parameter>\n</function>\n</tool_call>",
+    ],
+)
+def test_coder_malformed_function_tags(tokenizer: Tokenizer, text: str) -> None:
+    coder = ParserConfig(None, "qwen3_coder", enable_auto_tool_choice=True)
+    message, _ = ChatParser(coder, tokenizer, _request(tools=[WEATHER]), None).parse(text, [], "stop")
+    assert all(call.function.name for call in message.tool_calls)
+    arguments = [json.loads(call.function.arguments) for call in message.tool_calls]
+    if "bad_func_no_gt" in text:
+        named = [a for c, a in zip(message.tool_calls, arguments, strict=True) if c.function.name == "get_current_weather"]
+        assert named == [{"city": "Dallas", "state": "TX"}]
+    folded = stream(ChatParser(coder, tokenizer, _request(tools=[WEATHER]), None), [(c, []) for c in text], "stop", True)
+    assert_stream_matches_batch(folded, message, "tool_calls" if message.tool_calls else "stop", exact_args=True)
 
 
 def test_setup_cli_args() -> None:

@@ -1,0 +1,271 @@
+"""Logits processing and sampling for one engine step, over the whole batch (vLLM's order and rules).
+
+A step hands in float32 logits ``[B, vocab]``, one row per running sequence, and one
+:class:`SequenceState` per row. :func:`sample` then, as vLLM v1's sampler does:
+
+1. takes the *raw* logprobs (before any processing) of the rows that asked for logprobs;
+2. masks every id outside ``allowed_token_ids``;
+3. masks ``bad_words``: the last id of a banned sequence when the output ends with the ids before it
+   (a one-id sequence is always banned);
+4. masks EOS (unless ``ignore_eos``) and ``stop_token_ids`` until ``min_tokens`` are out;
+5. adds ``logit_bias``;
+6. applies the penalties: repetition over prompt + output (positive logits divided by it, the others
+   multiplied), then frequency (``- penalty x count in the output``) and presence (``- penalty`` once an
+   id is in the output);
+7. draws: greedy rows take the argmax; the others apply temperature, min-p, top-k, then top-p on what
+   top-k left, and draw from their own generator.
+
+Each stage runs only when some row of the batch uses it, so a plain request pays for none of them.
+Per-sequence state is updated by one id per step (:meth:`SequenceState.record`): nothing is recounted
+from the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.api import PositionLogprobs, SequenceSampling
+
+# Below this temperature sampling is greedy (as in vLLM).
+GREEDY_TEMPERATURE = 1e-5
+# top-p first looks at this many candidates and sorts the whole vocab only if they hold too little mass.
+TOP_P_CANDIDATES = 1024
+
+
+@dataclass(frozen=True, eq=False)
+class RequestRules:
+    """What one request's sampling params do to its logits, prepared once and shared by its ``n`` sequences."""
+
+    sampling: SequenceSampling
+    min_tokens_banned: tuple[int, ...]  # masked until min_tokens ids are out
+    disallowed: torch.Tensor | None  # [vocab] bool, True outside allowed_token_ids
+    bias_ids: torch.Tensor | None  # logit_bias keys (long) ...
+    bias_values: torch.Tensor | None  # ... and their float32 values
+    bad_words: tuple[tuple[int, ...], ...]
+    prompt_mask: torch.Tensor | None  # [vocab] bool, the prompt's ids; set when any penalty is on
+
+    @property
+    def penalized(self) -> bool:
+        return self.prompt_mask is not None
+
+
+def request_rules(
+    sampling: SequenceSampling, prompt: list[int], vocab_size: int, eos_ids: frozenset[int]
+) -> RequestRules:
+    """Turn the request's params into tensors once, so a step only stacks and indexes them."""
+    banned = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else eos_ids)
+    disallowed = None
+    if sampling.allowed_token_ids is not None:
+        disallowed = torch.ones(vocab_size, dtype=torch.bool)
+        disallowed[sampling.allowed_token_ids] = False
+    bias_ids = bias_values = None
+    if sampling.logit_bias:
+        bias_ids = torch.tensor(list(sampling.logit_bias), dtype=torch.long)
+        bias_values = torch.tensor(list(sampling.logit_bias.values()), dtype=torch.float32)
+    prompt_mask = None
+    if sampling.presence_penalty or sampling.frequency_penalty or sampling.repetition_penalty != 1.0:
+        prompt_mask = torch.zeros(vocab_size, dtype=torch.bool)
+        prompt_mask[prompt] = True
+    return RequestRules(
+        sampling=sampling,
+        min_tokens_banned=tuple(sorted(banned)) if sampling.min_tokens > 0 else (),
+        disallowed=disallowed,
+        bias_ids=bias_ids,
+        bias_values=bias_values,
+        bad_words=tuple(tuple(word) for word in sampling.bad_words_token_ids or ()),
+        prompt_mask=prompt_mask,
+    )
+
+
+class SequenceState:
+    """One sequence's sampling state: its rules, its generator (None = greedy), its output ids and,
+    when a penalty is on, a running count of each id in the output."""
+
+    def __init__(self, rules: RequestRules, generator: torch.Generator | None, vocab_size: int) -> None:
+        self.rules = rules
+        self.generator = generator
+        self.output: list[int] = []
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32) if rules.penalized else None
+
+    def record(self, token: int) -> None:
+        """The sequence produced ``token``: O(1) whatever the output length."""
+        self.output.append(token)
+        if self.counts is not None:
+            self.counts[token] += 1.0
+
+
+def sample(logits: torch.Tensor, states: list[SequenceState]) -> tuple[list[int], list[PositionLogprobs | None]]:
+    """One token per row (recorded into its state) and each row's logprobs, taken from the raw logits.
+
+    ``logits`` is processed in place.
+    """
+    raw = RawLogprobs.of(logits, [s.rules.sampling.logprobs for s in states])
+    process_logits(logits, states)
+    tokens = draw(logits, states)
+    for state, token in zip(states, tokens, strict=True):
+        state.record(token)
+    return tokens, raw.gather(tokens)
+
+
+def process_logits(logits: torch.Tensor, states: list[SequenceState]) -> None:
+    """Stages 2-6 of the module docstring, in place; each is skipped when no row uses it."""
+    apply_allowed(logits, states)
+    apply_bans(logits, states)
+    apply_logit_bias(logits, states)
+    apply_penalties(logits, states)
+
+
+def apply_allowed(logits: torch.Tensor, states: list[SequenceState]) -> None:
+    """Ids outside a row's ``allowed_token_ids`` go to -inf."""
+    picked = [(i, m) for i, s in enumerate(states) if (m := s.rules.disallowed) is not None]
+    if picked:
+        rows = [i for i, _ in picked]
+        logits[rows] = logits[rows].masked_fill(torch.stack([m for _, m in picked]), float("-inf"))
+
+
+def apply_bans(logits: torch.Tensor, states: list[SequenceState]) -> None:
+    """bad_words and the min_tokens mask: one scatter of -inf for the whole batch."""
+    rows: list[int] = []
+    ids: list[int] = []
+    for row, state in enumerate(states):
+        for word in state.rules.bad_words:
+            if _ends_with(state.output, word[:-1]):
+                rows.append(row)
+                ids.append(word[-1])
+        if state.rules.min_tokens_banned and len(state.output) < state.rules.sampling.min_tokens:
+            rows.extend([row] * len(state.rules.min_tokens_banned))
+            ids.extend(state.rules.min_tokens_banned)
+    if rows:
+        logits[rows, ids] = float("-inf")
+
+
+def _ends_with(output: list[int], prefix: tuple[int, ...]) -> bool:
+    """Whether ``output`` ends with ``prefix`` (O(len(prefix)), never O(len(output)))."""
+    return len(prefix) <= len(output) and all(
+        a == b for a, b in zip(output[len(output) - len(prefix) :], prefix, strict=True)
+    )
+
+
+def apply_logit_bias(logits: torch.Tensor, states: list[SequenceState]) -> None:
+    """Add each row's ``logit_bias`` to its ids."""
+    picked = [(i, r) for i, s in enumerate(states) if (r := s.rules).bias_ids is not None]
+    if not picked:
+        return
+    ids = [r.bias_ids for _, r in picked if r.bias_ids is not None]
+    values = [r.bias_values for _, r in picked if r.bias_values is not None]
+    rows = torch.cat([torch.full((len(t),), i, dtype=torch.long) for (i, _), t in zip(picked, ids, strict=True)])
+    logits.index_put_((rows, torch.cat(ids)), torch.cat(values), accumulate=True)
+
+
+def apply_penalties(logits: torch.Tensor, states: list[SequenceState]) -> None:
+    """Repetition (prompt + output), then frequency and presence (output only), on the penalized rows."""
+    picked = [(i, s.rules, c) for i, s in enumerate(states) if (c := s.counts) is not None]
+    if not picked:
+        return
+    rows = [i for i, _, _ in picked]
+    counts = torch.stack([c for _, _, c in picked])
+    in_output = counts > 0
+    seen = torch.stack([r.prompt_mask for _, r, _ in picked if r.prompt_mask is not None]) | in_output
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32)[:, None]
+
+    repetition = column([r.sampling.repetition_penalty for _, r, _ in picked])
+    frequency = column([r.sampling.frequency_penalty for _, r, _ in picked])
+    presence = column([r.sampling.presence_penalty for _, r, _ in picked])
+    sub = logits[rows]
+    sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+    logits[rows] = sub - frequency * counts - presence * in_output
+
+
+def draw(logits: torch.Tensor, states: list[SequenceState]) -> list[int]:
+    """One token per row. Greedy rows take the argmax; the others draw from their own generator,
+    one uniform per token, so a seeded sequence's tokens never depend on its batch."""
+    tokens = [0] * len(states)
+    greedy = [i for i, s in enumerate(states) if s.generator is None]
+    if greedy:
+        for i, token in zip(greedy, logits[greedy].argmax(-1).tolist(), strict=True):
+            tokens[i] = token
+    for i, state in enumerate(states):
+        if state.generator is not None:
+            tokens[i] = sample_row(logits[i], state.rules.sampling, state.generator)
+    return tokens
+
+
+def sample_row(logits: torch.Tensor, sp: SequenceSampling, gen: torch.Generator) -> int:
+    """vLLM's order: temperature; min-p drops what is below min_p x the top probability; top-k, then
+    top-p over what top-k kept; then an inverse-CDF draw over what is left."""
+    probs = torch.softmax(logits / sp.temperature, -1)
+    if sp.min_p > 0.0:
+        probs = torch.where(probs >= sp.min_p * probs.max(), probs, 0.0)
+    values, ids = top_k_top_p(probs, sp.top_k, sp.top_p)
+    cdf = values.cumsum(0)
+    u = torch.rand((), generator=gen) * cdf[-1]
+    pick = min(int(torch.searchsorted(cdf, u, right=True)), cdf.shape[0] - 1)
+    return int(ids[pick]) if ids is not None else pick
+
+
+def top_k_top_p(probs: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The (unnormalised) probabilities that top-k and top-p keep, best first, with their ids;
+    ``ids`` is None when nothing is cut (then ``values`` is ``probs`` itself, in id order).
+
+    top-p keeps the smallest best-first prefix holding ``top_p`` of the mass top-k left (the first
+    token always stays), as vLLM does.
+    """
+    vocab = probs.shape[0]
+    k = top_k if 0 < top_k < vocab else vocab
+    if top_p >= 1.0:
+        return (probs, None) if k == vocab else torch.topk(probs, k)
+    if k == vocab:
+        mass = probs.sum()
+        values, ids = torch.topk(probs, min(TOP_P_CANDIDATES, vocab))
+        if values.sum() < top_p * mass:  # the short list cannot reach top_p: sort it all
+            values, ids = torch.sort(probs, descending=True)
+    else:
+        values, ids = torch.topk(probs, k)
+        mass = values.sum()
+    keep = int(((values.cumsum(0) - values) < top_p * mass).sum())
+    return values[:keep], ids[:keep]
+
+
+@dataclass(frozen=True)
+class RawLogprobs:
+    """log-softmax of the rows that asked for logprobs, taken before any processing (vLLM's
+    default ``raw_logprobs``), and how many top candidates each of them wants."""
+
+    num_rows: int
+    rows: list[int]
+    widths: list[int]
+    logprobs: torch.Tensor | None
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, ks: list[int | None]) -> RawLogprobs:
+        vocab = logits.shape[-1]
+        requested = [(i, vocab if k == -1 else min(k, vocab)) for i, k in enumerate(ks) if k is not None]
+        rows, widths = [i for i, _ in requested], [k for _, k in requested]
+        return cls(len(ks), rows, widths, torch.log_softmax(logits[rows], -1) if rows else None)
+
+    def gather(self, tokens: list[int]) -> list[PositionLogprobs | None]:
+        """Logprob and 1-based rank of each row's token plus the row's top-k (None for rows that asked none)."""
+        result: list[PositionLogprobs | None] = [None] * self.num_rows
+        if self.logprobs is None:
+            return result
+        chosen = torch.tensor([tokens[i] for i in self.rows])
+        chosen_lp = self.logprobs.gather(1, chosen[:, None])
+        ranks = ((self.logprobs > chosen_lp).sum(-1) + 1).tolist()
+        top_values, top_ids = torch.topk(self.logprobs, max(self.widths), -1)
+        top_values, top_ids, chosen_list = top_values.tolist(), top_ids.tolist(), chosen_lp[:, 0].tolist()
+        for j, (i, k) in enumerate(zip(self.rows, self.widths, strict=True)):
+            result[i] = PositionLogprobs(
+                token_ids=[tokens[i], *top_ids[j][:k]],
+                logprobs=[chosen_list[j], *top_values[j][:k]],
+                ranks=[ranks[j], *range(1, k + 1)],
+            )
+        return result
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int | None]) -> list[PositionLogprobs | None]:
+    """Logprob and 1-based rank of each row's given token plus the row's top-k (k = -1: whole vocab)."""
+    return RawLogprobs.of(logits, ks).gather(tokens)

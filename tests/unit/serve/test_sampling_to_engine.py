@@ -1,0 +1,88 @@
+"""Sampling params reach the engine intact: penalties, logit_bias, allowed ids, bad_words as id sequences."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdserve.engine.runners.scripted import Script, ScriptedEngine
+from pdserve.protocol.errors import RequestError
+from pdserve.protocol.generate import GenerateRequest
+from pdserve.serve.app import AppState
+from pdserve.serve.config import ServerConfig
+from pdserve.serve.metrics import Metrics
+from pdserve.serve.routes.generate import engine_request
+from pdserve.serve.validation import bad_words_token_ids, validate_generate
+from pdserve.text.tokenizer import Tokenizer
+
+TOKENIZER = Tokenizer.load("qwen3")
+
+
+def state(tokens_only: bool = False) -> AppState:
+    engine = ScriptedEngine([Script([9707])], vocab_size=TOKENIZER.vocab_size, eos_token_ids=[151645])
+    asyncio.run(engine.start())
+    config = ServerConfig(engine=None, tokens_only=tokens_only)
+    return AppState(config=config, engine=engine, tokenizer=None if tokens_only else TOKENIZER, metrics=Metrics())
+
+
+def prepared(sampling: dict, tokens_only: bool = False):  # type: ignore[no-untyped-def]
+    req = GenerateRequest.model_validate({"token_ids": [9707, 11], "sampling_params": sampling})
+    validate_generate(state(tokens_only), req)
+    return engine_request(req, "r", 8).sampling
+
+
+def test_penalties_bias_and_allowed_ids_reach_the_engine() -> None:
+    s = prepared({"presence_penalty": 0.5, "frequency_penalty": -1.25, "repetition_penalty": 1.3,
+                  "logit_bias": {"9707": -100, "11": 4.5}, "allowed_token_ids": [11, 9707, 13]})
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -1.25, 1.3)
+    assert s.logit_bias == {9707: -100.0, 11: 4.5}
+    assert s.allowed_token_ids == [11, 9707, 13]
+    assert s.bad_words_token_ids is None
+    plain = prepared({})
+    assert (plain.presence_penalty, plain.frequency_penalty, plain.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert plain.logit_bias is None and plain.allowed_token_ids is None
+
+
+def test_bad_words_become_start_and_mid_text_sequences() -> None:
+    s = prepared({"bad_words": ["Paris", " hello world"]})
+    assert s.bad_words_token_ids is not None
+    texts = [TOKENIZER.decode(seq) for seq in s.bad_words_token_ids]
+    # Each word is banned as it starts a text and, under byte-level BPE, as the space-prefixed word token.
+    assert texts == ["Paris", " Paris", "hello world", " hello world"]
+
+
+@pytest.mark.parametrize(
+    ("sampling", "param"),
+    [
+        ({"logit_bias": {"999999": 1}}, "sampling_params.logit_bias"),
+        ({"allowed_token_ids": [1, 10**6]}, "sampling_params.allowed_token_ids"),
+        ({"stop_token_ids": [10**6]}, "sampling_params.stop_token_ids"),
+        ({"bad_words": ["   "]}, "sampling_params.bad_words"),
+        ({"bad_words": [f"w{i}" for i in range(129)]}, "sampling_params.bad_words"),
+    ],
+)
+def test_ids_outside_the_vocabulary_and_bad_bad_words_are_400(sampling: dict, param: str) -> None:
+    with pytest.raises(RequestError) as info:
+        prepared(sampling)
+    assert info.value.param == param and info.value.status == 400
+
+
+def test_bad_words_need_a_tokenizer() -> None:
+    with pytest.raises(RequestError) as info:
+        prepared({"bad_words": ["x"]}, tokens_only=True)
+    assert info.value.param == "sampling_params.bad_words" and "tokens-only" in info.value.message
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet="abcXYZ é漢😀-'", min_size=1, max_size=8).filter(lambda w: w.strip()))
+def test_bad_word_sequences_spell_the_word(word: str) -> None:
+    sequences = bad_words_token_ids(TOKENIZER, [word], TOKENIZER.vocab_size)
+    bare = word.lstrip()
+    assert sequences[0] == TOKENIZER.encode(bare)
+    assert len(sequences) in (1, 2)
+    if len(sequences) == 2:
+        assert TOKENIZER.decode(sequences[1]) == " " + bare
+        assert len(sequences[1]) == len(sequences[0]) and sequences[1][0] != sequences[0][0]
