@@ -20,10 +20,13 @@ from typing import Any
 
 from pdserve.bench.frontend import machine
 from pdserve.bench.report import write_section
-from pdserve.engine.api import Engine, EngineRequest, SequenceSampling
-from pdserve.engine.core import EngineCoreClient, start_engine_core
-from pdserve.engine.factory import EngineSpec, build_engine
-from pdserve.engine.model_registry import resolve_model
+from pdserve.checkpoints.resolve import resolve_model
+from pdserve.engine.api import Engine
+from pdserve.engine.core import start_engine_core
+from pdserve.engine.core_client import EngineCoreClient
+from pdserve.engine.factory import build_engine
+from pdserve.engine.spec import EngineSpec
+from pdserve.protocol.engine import EngineRequest, SequenceSampling
 
 SECTION_HEADING = "## Engine (pdserve bench engine)"
 DEFAULT_DOCS = Path("docs/benchmarks.md")

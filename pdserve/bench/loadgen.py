@@ -97,13 +97,13 @@ def process_tree_cpu_seconds(pid: int, proc_root: Path = Path("/proc")) -> float
 
 
 class ServerProcess:
-    """A ``python -m pdserve.serve.cli ...`` child on a free loopback port, logging to a temp file."""
+    """A ``python -m pdserve.cli ...`` child on a free loopback port, logging to a temp file."""
 
     def __init__(self, name: str, args: Sequence[str]):
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._cmd = [sys.executable, "-m", "pdserve.serve.cli", *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        self._cmd = [sys.executable, "-m", "pdserve.cli", *args, "--host", "127.0.0.1", "--port", str(self.port)]
         fd, log = tempfile.mkstemp(prefix=f"pdserve-bench-{name}-", suffix=".log")
         os.close(fd)
         self._log = Path(log)

@@ -1,4 +1,4 @@
-"""Numbers → tables: percentiles, per-arm latency/CPU summaries, markdown, and the docs section swap.
+"""Numbers → tables: percentiles, per-arm latency/CPU summaries, markdown, the host line, and the docs section swap.
 
 Kept free of HTTP and processes so the arithmetic that ends up in
 ``docs/benchmarks.md`` can be unit-tested on hand-made inputs.
@@ -7,6 +7,8 @@ Kept free of HTTP and processes so the arithmetic that ends up in
 from __future__ import annotations
 
 import math
+import os
+import platform
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,6 +161,15 @@ def replace_section(document: str, heading: str, body: str) -> str:
             break
     after = "".join(lines[end:])
     return "".join(lines[:start]) + section + ("\n" + after if after else "")
+
+
+def machine() -> str:
+    """The host line under every benchmark section: numbers from different machines do not compare."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    cpu = f"{os.cpu_count()} vCPU" + (f" ({model})" if model else "")
+    return f"{cpu}, Linux {platform.release()}, Python {platform.python_version()}"
 
 
 DOCS_TITLE = "# pdserve benchmarks"

@@ -1,54 +1,70 @@
-"""Per-request output queues behind ``Engine.generate`` iterators.
+"""Per-request output queues behind ``Engine.generate`` iterators (the client side of a step loop).
 
-Both the in-process torch engine (fed from its model thread) and the engine-core
-client (fed from its socket reader) hand outputs to request iterators the same
-way; this is that one piece: put outputs, end a stream, fail every stream, and an
-iterator that reports being abandoned (closed before its end) so the engine can
-abort the request.
+Both the in-process torch engine (fed from its model thread) and the engine-core client (fed
+from its socket reader) hand a step's :class:`~pdserve.engine.messages.StepOutputs` to request
+iterators the same way: :meth:`OutputChannels.deliver`, one pass per step. An iterator that is
+closed before its end reports it, so the engine can abort the request.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
-from pdserve.engine.api import EngineError, EngineOutput
+from pdserve.engine.api import EngineDeadError, EngineError
+from pdserve.engine.messages import StepOutputs
+from pdserve.protocol.engine import EngineOutput
 
-DONE = object()  # end of a request's output stream
+
+class _StreamEnd:
+    """Queued after a request's last output."""
+
+
+_END = _StreamEnd()
 
 
 class OutputChannels:
     def __init__(self) -> None:
-        self._queues: dict[str, asyncio.Queue[Any]] = {}
+        self._queues: dict[str, asyncio.Queue[EngineOutput | EngineError | _StreamEnd]] = {}
+        self.batches_delivered = 0  # how many StepOutputs reached the iterators (one per step)
 
-    def put(self, request_id: str, item: EngineOutput | EngineError | object) -> None:
-        """Deliver an output, an error, or DONE (ignored when the iterator is already gone)."""
-        queue = self._queues.get(request_id)
-        if queue is not None:
-            queue.put_nowait(item)
+    def deliver(self, batch: StepOutputs) -> None:
+        """Hand one step's outputs, stream ends and failures to their iterators."""
+        self.batches_delivered += 1
+        for output in batch.outputs:
+            self._put(output.request_id, output)
+        for request_id in batch.finished:
+            self._put(request_id, _END)
+        for failure in batch.failed:
+            error = EngineDeadError if failure.dead else EngineError
+            self._put(failure.request_id, error(failure.message))
 
     def fail_all(self, error: EngineError) -> None:
         for queue in self._queues.values():
             queue.put_nowait(error)
 
+    def _put(self, request_id: str, item: EngineOutput | EngineError | _StreamEnd) -> None:
+        queue = self._queues.get(request_id)
+        if queue is not None:  # else the iterator is already gone
+            queue.put_nowait(item)
+
     async def stream(
         self, request_id: str, submit: Callable[[], None], abandon: Callable[[], None]
     ) -> AsyncIterator[EngineOutput]:
-        """Open the channel, ``submit`` the request, yield until DONE or an error.
+        """Open the channel, ``submit`` the request, yield until its end or an error.
 
         ``abandon`` runs when the consumer stops early (the request must be aborted).
         """
         if request_id in self._queues:
             raise EngineError(f"request id {request_id!r} is already running")
-        queue: asyncio.Queue[Any] = asyncio.Queue()
+        queue: asyncio.Queue[EngineOutput | EngineError | _StreamEnd] = asyncio.Queue()
         self._queues[request_id] = queue
         submit()
         complete = False
         try:
             while True:
                 item = await queue.get()
-                if item is DONE:
+                if isinstance(item, _StreamEnd):
                     complete = True
                     return
                 if isinstance(item, EngineError):

@@ -1,30 +1,33 @@
-"""The engine core in its own process, and the client every frontend uses to reach it.
+"""The engine core in its own process: it drives its step loop and answers every frontend.
 
 Why a process: the model loop and the HTTP/detokenize/parse work must never stall each
 other, and ``--api-server-count N`` runs N frontend processes against one model. The
 core binds one ZMQ ROUTER socket (ipc, under a private temp dir); each frontend's
-:class:`EngineCoreClient` connects a DEALER, so the core knows which client added a
-request and routes its outputs back there, while an abort or stop from *any* client
-works by request id. Messages are msgspec Structs tagged into one union per direction.
+:class:`~pdserve.engine.core_client.EngineCoreClient` connects a DEALER, so the core knows which
+client added a request and routes its outputs back there, while an abort or stop from *any*
+client works by request id. Messages are the msgspec Structs of :mod:`pdserve.engine.messages`.
+
+The loop (:class:`CoreServer`): drain the socket's inbox, run one ``step()`` of the step loop
+(:func:`~pdserve.engine.factory.build_core`), send each client **one** ``StepOutputs`` with
+everything that turn produced for it. No per-request task, queue or iterator lives here.
 
 Supervision: :func:`start_engine_core` spawns the core and waits for its handshake;
-clients learn the core's pid and ``EngineInfo`` on connect, receive a heartbeat with
-stats every :data:`HEARTBEAT_INTERVAL_S`, and declare the engine dead (every in-flight
-iterator raises :class:`EngineDeadError`) when the pid is gone or heartbeats stop.
-The core exits when its engine dies or its parent process goes away.
+clients learn the core's pid and ``EngineInfo`` on connect and receive a heartbeat with
+stats every :data:`HEARTBEAT_INTERVAL_S`. The core exits when a step fails (after telling its
+clients) or when its parent process goes away.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import logging
+import math
 import multiprocessing
 import os
 import shutil
 import tempfile
 import time
 import traceback
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -32,80 +35,32 @@ from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 
-from pdserve.engine.api import (
-    Engine,
-    EngineDeadError,
-    EngineError,
-    EngineInfo,
-    EngineOutput,
-    EngineRequest,
-    EngineStats,
+from pdserve.engine.api import EngineError
+from pdserve.engine.factory import build_core
+from pdserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    ClientMessage,
+    CoreDead,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Ready,
+    RequestFailed,
+    StepOutputs,
+    StopSequence,
 )
-from pdserve.engine.channels import DONE, OutputChannels
-from pdserve.engine.factory import EngineSpec, build_engine
+from pdserve.engine.spec import EngineSpec
+from pdserve.engine.stepping import StepCore
+from pdserve.protocol.engine import EngineInfo
 
 HEARTBEAT_INTERVAL_S = 0.5
-# A client gives up on a core that has been silent this long (the pid check is faster
-# when the core runs on the same host, which is always the case today).
-HEARTBEAT_TIMEOUT_S = 10.0
-# How often a client checks the core's pid.
-LIVENESS_POLL_S = 0.2
+
+log = logging.getLogger(__name__)
 
 
-# -- wire messages ----------------------------------------------------------------------
-
-
-class Hello(msgspec.Struct, tag="hello"):
-    """A client introduces itself; the core answers with :class:`Ready`."""
-
-
-class Add(msgspec.Struct, tag="add"):
-    request: EngineRequest
-
-
-class Abort(msgspec.Struct, tag="abort"):
-    request_ids: list[str]
-
-
-class StopSequence(msgspec.Struct, tag="stop"):
-    request_id: str
-    index: int
-
-
-class Goodbye(msgspec.Struct, tag="bye"):
-    """A client leaves: its unfinished requests are aborted."""
-
-
-ClientMessage = Hello | Add | Abort | StopSequence | Goodbye
-
-
-class Ready(msgspec.Struct, tag="ready"):
-    info: EngineInfo
-    pid: int
-
-
-class Outputs(msgspec.Struct, tag="outputs"):
-    outputs: list[EngineOutput]
-    done: list[str]  # requests whose streams ended after these outputs
-
-
-class RequestFailed(msgspec.Struct, tag="failed"):
-    request_id: str
-    message: str
-    dead: bool
-
-
-class Heartbeat(msgspec.Struct, tag="heartbeat"):
-    stats: EngineStats
-
-
-class CoreDead(msgspec.Struct, tag="dead"):
-    message: str
-
-
-CoreMessage = Ready | Outputs | RequestFailed | Heartbeat | CoreDead
+# -- starting and supervising the core process ------------------------------------------
 
 
 class EngineCoreAddresses(msgspec.Struct, frozen=True):
@@ -191,295 +146,141 @@ def _stop_process(process: BaseProcess, timeout: float) -> None:
 def run_engine_core(spec: EngineSpec, addresses: EngineCoreAddresses, ready: Connection, parent_pid: int) -> None:
     """Entry point of the core process."""
     try:
-        asyncio.run(_serve_core(spec, addresses, ready, parent_pid))
-    except Exception:  # noqa: BLE001 - reported to the parent if startup never finished
+        core = build_core(spec)
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops messages at the high-water mark; never drop outputs
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(addresses.endpoint)
+        ready.send(("ready", msgspec.msgpack.encode(core.info)))
+        ready.close()
+    except Exception:  # noqa: BLE001 - reported to the parent, whose start_engine_core raises it
         with contextlib.suppress(OSError):
             ready.send(("error", traceback.format_exc()))
         raise SystemExit(1) from None
-
-
-async def _serve_core(spec: EngineSpec, addresses: EngineCoreAddresses, ready: Connection, parent_pid: int) -> None:
-    engine = build_engine(spec)
-    await engine.start()
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops messages at the high-water mark; never drop outputs
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(addresses.endpoint)
-    ready.send(("ready", msgspec.msgpack.encode(engine.info)))
-    ready.close()
     try:
-        await _CoreServer(engine, sock).serve(parent_pid)
+        CoreServer(core, sock, parent_pid).serve()
     finally:
         sock.close()
         ctx.term()
-        await engine.shutdown()
 
 
-class _CoreServer:
-    """Routes client messages into the engine and outputs back to the client that owns each request."""
+class CoreServer:
+    """Drains client messages into the step loop and sends each client one batch per turn."""
 
-    def __init__(self, engine: Engine, sock: zmq.asyncio.Socket) -> None:
-        self.engine, self.sock = engine, sock
+    def __init__(self, core: StepCore, sock: zmq.Socket[Any], parent_pid: int) -> None:
+        self.core, self.sock, self.parent_pid = core, sock, parent_pid
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(ClientMessage)
         self.clients: set[bytes] = set()
-        self.owners: dict[str, bytes] = {}
-        self.pumps: dict[str, asyncio.Task[None]] = {}
-        # Outputs are batched per client and flushed once per event-loop turn.
-        self.pending: dict[bytes, Outputs] = {}
-        self.flush_scheduled = False
+        self.owners: dict[str, bytes] = {}  # request id -> the client that added it
+        self.pending: dict[bytes, StepOutputs] = {}  # this turn's batch per client
+        self.steps = 0
+        self._last_step = -math.inf
 
-    async def serve(self, parent_pid: int) -> None:
-        watchdog = asyncio.create_task(self._heartbeats(parent_pid))
-        try:
-            while not watchdog.done():
-                receive = asyncio.ensure_future(self.sock.recv_multipart())
-                await asyncio.wait({receive, watchdog}, return_when=asyncio.FIRST_COMPLETED)
-                if not receive.done():
-                    receive.cancel()
-                    break
-                identity, payload = receive.result()
-                try:
-                    message = self.decoder.decode(payload)
-                except msgspec.DecodeError:
-                    continue  # not one of ours; never let a bad frame take the core down
-                await self._handle(identity, message)
-        finally:
-            watchdog.cancel()
-            for pump in list(self.pumps.values()):
-                pump.cancel()
+    def serve(self) -> None:
+        """Run until the parent process is gone or a step fails."""
+        next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
+        while True:
+            try:
+                self.turn(self._wait_s(next_beat))
+            except Exception:  # a failed step kills the engine loudly, never silently
+                log.exception("engine core step failed; the engine is dead")
+                self.flush()
+                self._broadcast(CoreDead("the engine loop died; see the engine core's log"))
+                return
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
+                if os.getppid() != self.parent_pid:
+                    return
+                self._broadcast(Heartbeat(self.core.stats()))
 
-    async def _handle(self, identity: bytes, message: Any) -> None:
+    def turn(self, wait_s: float) -> None:
+        """One turn: drain the inbox (waiting up to ``wait_s`` for its first message), step, send."""
+        self.receive(wait_s)
+        if self.core.has_work() and time.monotonic() - self._last_step >= self.core.pace_s:
+            self._last_step = time.monotonic()
+            self.core.step()
+            self.steps += 1
+        self.route(self.core.take_outputs())
+        self.flush()
+
+    def _wait_s(self, next_beat: float) -> float:
+        now = time.monotonic()
+        if self.core.has_work():
+            return max(0.0, self._last_step + self.core.pace_s - now)
+        return max(0.0, next_beat - now)
+
+    def receive(self, wait_s: float) -> None:
+        if not self.sock.poll(int(wait_s * 1000)):
+            return
+        while True:
+            try:
+                identity, payload = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                message = self.decoder.decode(payload)
+            except msgspec.DecodeError:
+                continue  # not one of ours; never let a bad frame take the core down
+            self.handle(identity, message)
+
+    def handle(self, identity: bytes, message: ClientMessage) -> None:
         if isinstance(message, Hello):
             self.clients.add(identity)
-            self._send(identity, Ready(info=self.engine.info, pid=os.getpid()))
-        elif isinstance(message, Add):
-            rid = message.request.request_id
-            if rid in self.owners:
-                self._send(identity, RequestFailed(rid, f"request id {rid!r} is already running", dead=False))
-                return
-            self.owners[rid] = identity
-            self.pumps[rid] = asyncio.create_task(self._pump(identity, message.request))
-            # Let the pump submit the request before the next message: an abort right behind
-            # the add must find it in the engine.
-            await asyncio.sleep(0)
-        elif isinstance(message, Abort):
-            await self.engine.abort(message.request_ids)
+            self._send(identity, Ready(info=self.core.info, pid=os.getpid()))
+        elif isinstance(message, AddRequest):
+            self._add(identity, message)
+        elif isinstance(message, AbortRequests):
+            self.core.abort(message.request_ids)
         elif isinstance(message, StopSequence):
-            await self.engine.stop_sequence(message.request_id, message.index)
+            self.core.stop_sequence(message.request_id, message.index)
         elif isinstance(message, Goodbye):
             self.clients.discard(identity)
-            await self.engine.abort([rid for rid, owner in self.owners.items() if owner == identity])
+            self.core.abort([rid for rid, owner in self.owners.items() if owner == identity])
 
-    async def _pump(self, identity: bytes, request: EngineRequest) -> None:
-        rid = request.request_id
+    def _add(self, identity: bytes, message: AddRequest) -> None:
+        rid = message.request.request_id
+        if rid in self.owners:
+            self._batch(identity).failed.append(RequestFailed(rid, f"request id {rid!r} is already running"))
+            return
         try:
-            async for output in self.engine.generate(request):
-                self._queue(identity).outputs.append(output)
-            self._queue(identity).done.append(rid)
+            self.core.validate(message.request)
+            self.core.add(message.request)
         except Exception as exc:  # noqa: BLE001 - every failure must reach the client, or its request hangs
-            self._flush()  # outputs before the failure first
-            message = str(exc) if isinstance(exc, EngineError) else f"engine core error: {exc!r}"
-            self._send(identity, RequestFailed(rid, message, dead=isinstance(exc, EngineDeadError)))
-        finally:
-            self.owners.pop(rid, None)
-            self.pumps.pop(rid, None)
+            text = str(exc) if isinstance(exc, EngineError) else f"engine core error: {exc!r}"
+            self._batch(identity).failed.append(RequestFailed(rid, text))
+            return
+        self.owners[rid] = identity
 
-    def _queue(self, identity: bytes) -> Outputs:
-        batch = self.pending.get(identity)
-        if batch is None:
-            batch = self.pending[identity] = Outputs(outputs=[], done=[])
-        if not self.flush_scheduled:
-            self.flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
-        return batch
+    def route(self, batch: StepOutputs) -> None:
+        """Split one turn's outputs by the client that owns each request."""
+        for output in batch.outputs:
+            owner = self.owners.get(output.request_id)
+            if owner is not None:
+                self._batch(owner).outputs.append(output)
+        for rid in batch.finished:
+            if (owner := self.owners.pop(rid, None)) is not None:
+                self._batch(owner).finished.append(rid)
+        for failure in batch.failed:
+            if (owner := self.owners.pop(failure.request_id, None)) is not None:
+                self._batch(owner).failed.append(failure)
 
-    def _flush(self) -> None:
-        self.flush_scheduled = False
+    def flush(self) -> None:
         pending, self.pending = self.pending, {}
         for identity, batch in pending.items():
+            batch.step = self.steps
             self._send(identity, batch)
+
+    def _batch(self, identity: bytes) -> StepOutputs:
+        batch = self.pending.get(identity)
+        if batch is None:
+            batch = self.pending[identity] = StepOutputs()
+        return batch
+
+    def _broadcast(self, message: Heartbeat | CoreDead) -> None:
+        for identity in self.clients:
+            self._send(identity, message)
 
     def _send(self, identity: bytes, message: Any) -> None:
         self.sock.send_multipart([identity, self.encoder.encode(message)])
-
-    async def _heartbeats(self, parent_pid: int) -> None:
-        """Tell clients we are alive; exit (ending serve) when the engine died or the parent is gone."""
-        while True:
-            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
-            if not self.engine.is_healthy():
-                self._flush()
-                for identity in self.clients:
-                    self._send(identity, CoreDead("the engine loop died; see the engine core's log"))
-                return
-            if os.getppid() != parent_pid:
-                return
-            beat = Heartbeat(self.engine.stats())
-            for identity in self.clients:
-                self._send(identity, beat)
-
-
-# -- the client -------------------------------------------------------------------------
-
-
-
-def _pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie, dead but not yet reaped, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-
-class EngineCoreClient:
-    """:class:`~pdserve.engine.api.Engine` backed by a core process (see module docstring).
-
-    Use from one asyncio event loop: ``client = await EngineCoreClient.connect(addresses)``.
-    """
-
-    info: EngineInfo  # set by start() from the core's handshake
-    core_pid: int
-
-    def __init__(self, addresses: EngineCoreAddresses, *, connect_timeout: float = 30.0) -> None:
-        self.addresses = addresses
-        self.connect_timeout = connect_timeout
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(CoreMessage)
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
-        self._channels = OutputChannels()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._dead: EngineDeadError | None = None
-        self._stats = EngineStats()
-        self._last_heard = 0.0
-
-    @classmethod
-    async def connect(cls, addresses: EngineCoreAddresses, *, connect_timeout: float = 30.0) -> EngineCoreClient:
-        client = cls(addresses, connect_timeout=connect_timeout)
-        await client.start()
-        return client
-
-    async def start(self) -> None:
-        """Connect and handshake: afterwards ``info`` and ``core_pid`` are the core's."""
-        if self._sock is not None:
-            return
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(self.addresses.endpoint)
-        self._send(Hello())
-        try:
-            while True:
-                reply = self._decoder.decode(await asyncio.wait_for(self._sock.recv(), self.connect_timeout))
-                if isinstance(reply, Ready):
-                    break
-        except TimeoutError:
-            self._close_socket()
-            raise EngineDeadError(
-                f"engine core at {self.addresses.endpoint} did not answer within {self.connect_timeout:.0f}s"
-            ) from None
-        self.info, self.core_pid = reply.info, reply.pid
-        self._last_heard = time.monotonic()
-        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
-
-    async def shutdown(self) -> None:
-        """Disconnect this client (the core keeps serving others); its in-flight requests end."""
-        if self._sock is None:
-            return
-        if self._dead is None:
-            self._send(Goodbye())
-        self._die("engine client shut down")
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._close_socket()
-
-    def is_healthy(self) -> bool:
-        return self._sock is not None and self._dead is None
-
-    def stats(self) -> EngineStats:
-        return self._stats
-
-    async def abort(self, request_ids: list[str]) -> None:
-        if request_ids and self._dead is None:
-            self._send(Abort(list(request_ids)))
-
-    async def stop_sequence(self, request_id: str, index: int) -> None:
-        if self._dead is None:
-            self._send(StopSequence(request_id, index))
-
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        if self._dead is not None:
-            raise self._dead
-        if self._sock is None:
-            raise EngineDeadError("engine client is not connected (call start() first)")
-        rid = request.request_id
-
-        def abandon() -> None:
-            if self._dead is None:
-                self._send(Abort([rid]))
-
-        # aclosing: closing this iterator must close the channel's at once (its cleanup aborts).
-        async with contextlib.aclosing(self._channels.stream(rid, lambda: self._send(Add(request)), abandon)) as outputs:
-            async for output in outputs:
-                yield output
-
-    # -- internals ---------------------------------------------------------------------------
-
-    def _send(self, message: Any) -> None:
-        assert self._sock is not None
-        self._sock.send(self._encoder.encode(message))
-
-    async def _receive(self) -> None:
-        assert self._sock is not None
-        while True:
-            frame = await self._sock.recv()
-            self._last_heard = time.monotonic()
-            try:
-                message = self._decoder.decode(frame)
-            except msgspec.DecodeError:
-                continue
-            if isinstance(message, Outputs):
-                for output in message.outputs:
-                    self._channels.put(output.request_id, output)
-                for rid in message.done:
-                    self._channels.put(rid, DONE)
-            elif isinstance(message, Heartbeat):
-                self._stats = message.stats
-            elif isinstance(message, RequestFailed):
-                error = EngineDeadError if message.dead else EngineError
-                self._channels.put(message.request_id, error(message.message))
-            elif isinstance(message, CoreDead):
-                self._die(f"engine core reported its engine dead: {message.message}")
-                return
-
-    async def _watch(self) -> None:
-        while self._dead is None:
-            await asyncio.sleep(LIVENESS_POLL_S)
-            if not _pid_alive(self.core_pid):
-                self._die(f"engine core process {self.core_pid} exited")
-            elif time.monotonic() - self._last_heard > HEARTBEAT_TIMEOUT_S:
-                self._die(f"engine core process {self.core_pid} sent no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f}s")
-
-    def _die(self, reason: str) -> None:
-        if self._dead is not None:
-            return
-        self._dead = EngineDeadError(reason)
-        self._channels.fail_all(self._dead)
-
-    def _close_socket(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None

@@ -1,28 +1,15 @@
-"""Build an in-process engine from a serialisable spec.
+"""Build an engine from its spec: in this process (:func:`build_engine`) or as the step loop an
+engine-core process drives (:func:`build_core`).
 
-The spec is a msgspec Struct so the serve CLI can hand it to the engine-core
-process unchanged; the same function builds the engine on either side.
+Runners are imported on demand, so a scripted server never loads torch. Runners import only
+the spec, never this module.
 """
 
 from __future__ import annotations
 
-import msgspec
-
 from pdserve.engine.api import Engine
-
-
-class EngineSpec(msgspec.Struct, kw_only=True):
-    kind: str  # "scripted" | "torch"
-    model: str | None = None
-    tokenizer: str | None = None
-    script: str | None = None
-    tokens_per_step: int = 1
-    step_ms: float = 0.0
-    max_model_len: int | None = None
-    max_num_seqs: int = 16
-    dtype: str = "bfloat16"
-    seed: int = 0
-    batch_invariant: bool = False  # torch: fixed-shape matmuls (see docs/engine.md)
+from pdserve.engine.spec import EngineSpec
+from pdserve.engine.stepping import StepCore
 
 
 def build_engine(spec: EngineSpec) -> Engine:
@@ -35,4 +22,21 @@ def build_engine(spec: EngineSpec) -> Engine:
         from pdserve.engine.runners.torch_runner import TorchEngine
 
         return TorchEngine.from_spec(spec)
-    raise ValueError(f"unknown engine kind {spec.kind!r}; choose 'scripted' or 'torch'")
+    raise _unknown(spec)
+
+
+def build_core(spec: EngineSpec) -> StepCore:
+    """Return a loaded step loop for the calling thread to drive (the engine core's main thread)."""
+    if spec.kind == "scripted":
+        from pdserve.engine.runners.scripted_core import ScriptedCore
+
+        return ScriptedCore.from_spec(spec)
+    if spec.kind == "torch":
+        from pdserve.engine.runners.torch_runner import TorchSetup
+
+        return TorchSetup.from_spec(spec).load()
+    raise _unknown(spec)
+
+
+def _unknown(spec: EngineSpec) -> ValueError:
+    return ValueError(f"unknown engine kind {spec.kind!r}; choose 'scripted' or 'torch'")

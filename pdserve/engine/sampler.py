@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.api import PositionLogprobs, SequenceSampling
+from pdserve.protocol.engine import PositionLogprobs, SequenceSampling
 
 # Below this temperature sampling is greedy (as in vLLM).
 GREEDY_TEMPERATURE = 1e-5

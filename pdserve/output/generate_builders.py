@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pdserve.output.policy import assistant_delta, usage_of
 from pdserve.output.request_state import ChoiceState, ChoiceUpdate, RequestState
 from pdserve.protocol.generate import (
     GenerateDerenderChoice,
@@ -24,12 +25,6 @@ from pdserve.protocol.generate import (
 )
 from pdserve.protocol.openai import ChatCompletionLogProbs, DeltaMessage, UsageInfo
 from pdserve.text.logprobs import to_generate_logprobs
-
-
-def usage_of(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
-    )
 
 
 def _tokens_logprobs(choice: ChoiceState, want: bool) -> GenerateLogProbs | None:
@@ -72,7 +67,8 @@ def batch_response(state: RequestState, base: dict[str, Any]) -> GenerateRespons
         return GenerateTextResponse(choices=text_choices, **common)
     derender_choices = []
     for c in state.choices:
-        message, finish, hide = c.final_message()
+        message, finish = c.final_message()
+        hide = c.hides_metadata
         derender_choices.append(
             GenerateDerenderChoice(
                 index=c.index,
@@ -112,11 +108,8 @@ def stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageInfo | N
             choices=[GenerateTextStreamChoice(text=update.text, logprobs=logprobs_text, **fields)],
         )
     else:
-        parser = state.choices[update.index].parser
-        hide = parser is not None and parser.hide_metadata
-        delta = update.delta.model_copy() if update.delta is not None else DeltaMessage()
-        if first_for_choice:
-            delta.role = "assistant"
+        hide = state.choices[update.index].hides_metadata
+        delta = assistant_delta(update.delta) if first_for_choice else update.delta or DeltaMessage()
         logprobs_chat = None
         if cfg.want_logprobs and update.decoded_logprobs is not None and not hide:
             logprobs_chat = ChatCompletionLogProbs(content=update.decoded_logprobs)

@@ -1,13 +1,18 @@
-"""OpenAI chat/completions responses built from the same request state as generate."""
+"""OpenAI chat/completions responses and chunks, built from choice states.
+
+Builders take :class:`~pdserve.output.request_state.ChoiceState` objects, so the coupled
+endpoints (one request state) and stateless derender (choices replayed one by one) share them.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.output.generate_builders import usage_of
-from pdserve.output.request_state import ChoiceUpdate, RequestState
+from pdserve.output.policy import assistant_delta
+from pdserve.output.request_state import ChoiceState, ChoiceUpdate
 from pdserve.protocol.openai import (
     ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
@@ -22,55 +27,58 @@ from pdserve.text.logprobs import completion_logprobs
 
 
 def chat_response(
-    rstate: RequestState, response_id: str, model: str, return_token_ids: bool
+    choices: Sequence[ChoiceState], response_id: str, model: str, usage: UsageInfo, return_token_ids: bool, *,
+    prompt_token_ids: Sequence[int] | None = None, kv_transfer_params: dict | None = None,
+    echoed_token_ids: Sequence[Sequence[int] | None] | None = None,
 ) -> ChatCompletionResponse:
-    choices = []
-    for c in rstate.choices:
-        message, finish, hide = c.final_message()
-        logprobs = None
-        if rstate.config.want_logprobs and not hide:
-            logprobs = ChatCompletionLogProbs(content=list(c.decoded_logprobs))
-        choices.append(
+    """The batch chat response. ``echoed_token_ids``: per choice, the ids to return instead of
+    the choice's own (stateless derender returns the ids the client sent)."""
+    out = []
+    for k, c in enumerate(choices):
+        message, finish = c.final_message()
+        hide = c.hides_metadata
+        # Per choice: a derendered response may carry logprobs on some choices only.
+        logprobs = ChatCompletionLogProbs(content=list(c.decoded_logprobs)) if c.config.want_logprobs and not hide else None
+        token_ids = c.token_ids if echoed_token_ids is None else echoed_token_ids[k]
+        out.append(
             ChatCompletionResponseChoice(
                 index=c.index,
                 message=message,
                 logprobs=logprobs,
                 finish_reason=finish,
                 stop_reason=c.stop_reason,
-                token_ids=c.token_ids if return_token_ids and not hide else None,
+                token_ids=token_ids if return_token_ids and not hide else None,
             )
         )
     return ChatCompletionResponse(
         id=response_id,
         model=model,
-        choices=choices,
-        usage=usage_of(len(rstate.config.prompt_token_ids), rstate.completion_tokens),
-        prompt_token_ids=list(rstate.config.prompt_token_ids) if return_token_ids else None,
-        kv_transfer_params=rstate.kv_transfer_params,
+        choices=out,
+        usage=usage,
+        prompt_token_ids=list(prompt_token_ids) if return_token_ids and prompt_token_ids is not None else None,
+        kv_transfer_params=kv_transfer_params,
     )
 
 
 def chat_role_chunk(response_id: str, model: str, index: int) -> dict:
     """The opening chunk of a choice, as OpenAI sends it: role and empty content."""
-    choice = ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+    choice = ChatCompletionResponseStreamChoice(index=index, delta=assistant_delta(DeltaMessage(content="")))
     return ChatCompletionStreamResponse(id=response_id, model=model, choices=[choice]).model_dump(mode="json")
 
 
 def chat_chunk(
-    rstate: RequestState, update: ChoiceUpdate, response_id: str, model: str, return_token_ids: bool,
-    usage: UsageInfo | None, force_logprobs: bool = False,
+    choice_state: ChoiceState, update: ChoiceUpdate, response_id: str, model: str, return_token_ids: bool,
+    usage: UsageInfo | None, logprobs: list[ChatCompletionLogProbsContent] | None = None,
 ) -> dict:
-    """One chat chunk; ``force_logprobs``: the caller decoded ``update.decoded_logprobs`` itself."""
-    parser = rstate.choices[update.index].parser
-    hide = parser is not None and parser.hide_metadata
-    logprobs = None
-    wanted = rstate.config.want_logprobs or force_logprobs
-    if wanted and update.decoded_logprobs is not None and not hide:
-        logprobs = ChatCompletionLogProbs(content=update.decoded_logprobs)
+    """One chat chunk. ``logprobs``: entries the caller decoded itself (stateless derender decodes
+    a chunk's own ids); by default the update's, when the request asked for logprobs."""
+    hide = choice_state.hides_metadata
+    if logprobs is None and choice_state.config.want_logprobs:
+        logprobs = update.decoded_logprobs
     choice = ChatCompletionResponseStreamChoice(
         index=update.index,
         delta=update.delta or DeltaMessage(),
-        logprobs=logprobs,
+        logprobs=ChatCompletionLogProbs(content=logprobs) if logprobs is not None and not hide else None,
         finish_reason=update.finish_reason,
         stop_reason=update.stop_reason,
         token_ids=update.token_ids if return_token_ids and not hide else None,
@@ -81,15 +89,12 @@ def chat_chunk(
 
 
 def completion_response(
-    states: Sequence[RequestState], response_id: str, model: str, return_token_ids: bool
+    groups: Sequence[Sequence[ChoiceState]], response_id: str, model: str, usage: UsageInfo, return_token_ids: bool
 ) -> CompletionResponse:
-    """Choices of every prompt, renumbered 0..N-1, usage summed."""
+    """Choices of every prompt (one group per prompt), renumbered 0..N-1."""
     choices = []
-    prompt_tokens = completion_tokens = 0
-    for rstate in states:
-        prompt_tokens += len(rstate.config.prompt_token_ids)
-        completion_tokens += rstate.completion_tokens
-        for c in rstate.choices:
+    for group in groups:
+        for c in group:
             # Per choice: a derendered response may carry logprobs on some choices only.
             logprobs = completion_logprobs(c.decoded_logprobs) if c.config.want_logprobs else None
             choices.append(
@@ -100,17 +105,15 @@ def completion_response(
                     finish_reason=c.finish_reason or "stop",
                     stop_reason=c.stop_reason,
                     token_ids=c.token_ids if return_token_ids else None,
-                    prompt_token_ids=list(rstate.config.prompt_token_ids) if return_token_ids else None,
+                    prompt_token_ids=list(c.config.prompt_token_ids) if return_token_ids else None,
                 )
             )
-    return CompletionResponse(
-        id=response_id, model=model, choices=choices, usage=usage_of(prompt_tokens, completion_tokens)
-    )
+    return CompletionResponse(id=response_id, model=model, choices=choices, usage=usage)
 
 
 def completion_chunk(
-    rstate: RequestState, update: ChoiceUpdate, index: int, text_offset: int, response_id: str, model: str,
-    return_token_ids: bool, usage: UsageInfo | None,
+    update: ChoiceUpdate, index: int, text_offset: int, response_id: str, model: str, return_token_ids: bool,
+    usage: UsageInfo | None,
 ) -> dict:
     logprobs = None
     if update.decoded_logprobs is not None:

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
 
-from pdserve.engine.api import EngineOutput, PositionLogprobs
+from pdserve.protocol.engine import EngineOutput, PositionLogprobs
+from pdserve.protocol.generate import OutputMode
 from pdserve.protocol.openai import ChatCompletionLogProbsContent, ChatMessage, DeltaMessage
 from pdserve.text.detokenizer import IncrementalDetokenizer, StopConfig
 from pdserve.text.logprobs import LogprobDecoder
 from pdserve.text.tokenizer import Tokenizer
-
-OutputMode = Literal["tokens", "text", "derender"]
 
 
 class ChoiceParser(Protocol):
@@ -108,6 +107,14 @@ class ChoiceState:
         return self.finish_reason is not None
 
     @property
+    def hides_metadata(self) -> bool:
+        """The request hides reasoning, so this choice's token ids and logprobs are withheld too.
+
+        The parser decides; a batch choice has one once :meth:`final_message` ran.
+        """
+        return self.parser is not None and self.parser.hide_metadata
+
+    @property
     def stopped_by_string(self) -> bool:
         return self.detok is not None and self.detok.stopped
 
@@ -156,23 +163,20 @@ class ChoiceState:
             self.decoded_logprobs.extend(update.decoded_logprobs)
         if self.parser is not None:
             update.delta, update.finish_reason = self.parser.step(released.text, ids, finish)
-            if self.parser.hide_metadata:
+            if self.hides_metadata:
                 update.decoded_logprobs = None
         elif self.config.mode == "derender" and self.config.streaming:
             update.delta = DeltaMessage(content=released.text or None)
         return update
 
-    def final_message(self) -> tuple[ChatMessage, str, bool]:
-        """Batch derender: parse the whole (stop-truncated) text once.
-
-        Returns the message, the resolved finish_reason and whether token ids and
-        logprobs must be hidden (reasoning hidden by the request).
+    def final_message(self) -> tuple[ChatMessage, str]:
+        """Batch derender: parse the whole (stop-truncated) text once, with this choice's parser
+        (then :attr:`hides_metadata` answers for it). Returns the message and the resolved finish_reason.
         """
         if self.config.parser_factory is None:
-            return ChatMessage(content=self.text), self.finish_reason or "stop", False
-        parser = self.config.parser_factory()
-        message, finish = parser.parse(self.text, self.token_ids, self.finish_reason)
-        return message, finish, parser.hide_metadata
+            return ChatMessage(content=self.text), self.finish_reason or "stop"
+        self.parser = self.config.parser_factory()
+        return self.parser.parse(self.text, self.token_ids, self.finish_reason)
 
 
 class RequestState:
@@ -184,7 +188,6 @@ class RequestState:
         self.choices = [ChoiceState(i, config) for i in range(n)]
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.kv_transfer_params: dict | None = None
-        self.num_cached_tokens = 0
 
     @property
     def finished(self) -> bool:
@@ -197,7 +200,6 @@ class RequestState:
             self.prompt_logprobs = out.prompt_logprobs
         if out.kv_transfer_params is not None:
             self.kv_transfer_params = out.kv_transfer_params
-        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         return self.choices[out.index].add(out)
 
     def abort_unfinished(self) -> list[ChoiceUpdate]:

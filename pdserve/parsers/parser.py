@@ -27,8 +27,8 @@ Assembly follows vLLM 0.33 (reference sections 9.2-9.6):
 
 The parser path expects text decoded with special tokens kept, so that the
 markup tokens are in the text. A terminating EOS (``<|im_end|>`` for Qwen3) is
-not part of that text: the engine's detokenizer drops the stop token before
-the parser sees the output.
+not part of that text: the frontend's detokenizer (pdserve.text.detokenizer)
+drops the stop token before the parser sees the output.
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 
 Field names follow vLLM 0.33: the parsed chain of thought is ``reasoning``
 (``reasoning_content`` is accepted on input assistant messages only).
+
+One file over the usual size on purpose: the request models carry vLLM's whole field list (each field
+honoured or refused, see docs/protocol.md), and keeping them next to the message and delta shapes they
+share keeps that audit in one place.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
-"""``pdserve`` command line: ``serve`` (generate server), ``launch render``, ``bench``."""
+"""The server roles of the command line: ``serve`` (generate server) and ``launch render``."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from importlib import resources
 
-from pdserve.engine.factory import EngineSpec
+from pdserve.engine.spec import EngineSpec
 from pdserve.serve.config import ServerConfig
 
 DEMO_SCRIPT = "demo_script.jsonl"
@@ -28,10 +27,8 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="warning")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="P/D generate server with inline text/derender output")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def add_server_commands(sub: argparse._SubParsersAction) -> None:
+    """``serve`` and ``launch render``: the server roles (the top-level parser is :mod:`pdserve.cli`)."""
     serve = sub.add_parser("serve", help="run a generate server")
     serve.add_argument(
         "model", nargs="?", default=None,
@@ -61,15 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("--max-model-len", type=int, default=None, help="bound for derender inputs")
     _add_server_args(render)
 
-    from pdserve.bench.engine import add_engine_args
-    from pdserve.bench.frontend import add_frontend_args
-
-    bench = sub.add_parser("bench", help="benchmarks; numbers go to docs/benchmarks.md")
-    benches = bench.add_subparsers(dest="bench", required=True)
-    add_engine_args(benches.add_parser("engine", help="torch engine decode tok/s (batch 1, 8) and TTFT"))
-    add_frontend_args(benches.add_parser("frontend", help="inline text/derender vs per-chunk /derender"))
-    return parser
-
 
 def serve_config(args: argparse.Namespace) -> ServerConfig:
     """Resolve flags: a model runs on the torch engine (default: smollm2-135m); ``--engine
@@ -87,8 +75,6 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
     spec = EngineSpec(
         kind=engine_kind,
         model=args.model,
-        tokenizer=tokenizer,
-        script=script,
         tokens_per_step=args.tokens_per_step,
         step_ms=args.step_ms,
         max_model_len=args.max_model_len,
@@ -103,6 +89,8 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key,
         tokens_only=args.tokens_only,
         tokenizer=None if args.tokens_only else tokenizer,
+        script=script,
+        script_tokenizer=tokenizer if engine_kind == "scripted" else None,
         served_model_name=args.served_model_name,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
@@ -128,9 +116,8 @@ def render_config(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "warning").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def run_server_command(args: argparse.Namespace) -> int:
+    """Run ``serve`` or ``launch render`` from parsed arguments; the exit code."""
     from pdserve.serve.runner import run_server
 
     if args.command == "serve":
@@ -140,18 +127,4 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pdserve: {e}", file=sys.stderr)
             return 2
         return run_server(config)
-    if args.command == "launch" and args.role == "render":
-        return run_server(render_config(args))
-    if args.command == "bench" and args.bench == "engine":
-        from pdserve.bench.engine import run_engine_bench_cli
-
-        return run_engine_bench_cli(args)
-    if args.command == "bench" and args.bench == "frontend":
-        from pdserve.bench.frontend import run_frontend_bench
-
-        return run_frontend_bench(args)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return run_server(render_config(args))

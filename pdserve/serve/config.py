@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.factory import EngineSpec
+from pdserve.engine.spec import EngineSpec
 
 # vLLM's default cap on candidates per position (``--max-logprobs``).
 DEFAULT_MAX_LOGPROBS = 20
@@ -19,6 +19,10 @@ class ServerConfig:
     api_key: str | None = None
     tokens_only: bool = False
     tokenizer: str | None = None
+    # --engine scripted: the JSONL scripts and the tokenizer that encodes them (set even with
+    # --tokens-only); the serve layer hands the engine their token ids (runner.encode_scripts).
+    script: str | None = None
+    script_tokenizer: str | None = None
     served_model_name: str | None = None
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None

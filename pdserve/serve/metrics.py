@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pdserve.engine.api import EngineStats
+from pdserve.protocol.engine import EngineStats
 
 
 class _EngineStatsCollector(Collector):

@@ -15,18 +15,14 @@ from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import GenerateRequest, ParseContext, ReasoningParserKwargs
 from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest, NamedToolChoice, SamplingRequest
 from pdserve.protocol.sampling import SamplingParams
-from pdserve.serve.app import AppState, format_validation_error
+from pdserve.serve.http import format_validation_error
+from pdserve.serve.requests import skip_special_tokens
+from pdserve.serve.state import AppState
 from pdserve.text.tokenizer import Tokenizer
 
 # vLLM's RequestOutputKind values as its render emits them in sampling_params.output_kind.
 OUTPUT_KIND_DELTA = 1
 OUTPUT_KIND_FINAL_ONLY = 2
-
-
-def require_tokenizer(state: AppState) -> Tokenizer:
-    if state.tokenizer is None:
-        raise RequestError("this endpoint needs a tokenizer, but the server runs --tokens-only")
-    return state.tokenizer
 
 
 def _max_model_len(state: AppState) -> int | None:
@@ -181,7 +177,7 @@ def effective_template_kwargs(chat: ChatCompletionRequest) -> dict[str, Any]:
 
 
 def render_chat(state: AppState, chat: ChatCompletionRequest, request_id: str | None = None) -> GenerateRequest:
-    tokenizer = require_tokenizer(state)
+    tokenizer = state.require_tokenizer()
     _check_supported(chat)
     _check_tool_choice(state, chat)
     if chat.continue_final_message and chat.add_generation_prompt and "add_generation_prompt" in chat.model_fields_set:
@@ -208,9 +204,7 @@ def render_chat(state: AppState, chat: ChatCompletionRequest, request_id: str | 
     if not token_ids:
         raise RequestError("No token_ids rendered", param="messages")
     max_tokens = _resolve_max_tokens(state, chat.max_completion_tokens or chat.max_tokens, len(token_ids))
-    skip_special = chat.skip_special_tokens
-    if parsers_active(state, chat):
-        skip_special = False
+    skip_special = skip_special_tokens(chat.skip_special_tokens, parsers_active(state, chat))
     sampling = _sampling(
         _shared_sampling_fields(chat, max_tokens, tokenizer.generation_defaults)
         | dict(logprobs=chat.top_logprobs if chat.logprobs else None, skip_special_tokens=skip_special)
@@ -262,7 +256,7 @@ def completion_prompts(tokenizer: Tokenizer, prompt: Any, add_special_tokens: bo
 
 
 def render_completion(state: AppState, req: CompletionRequest, request_id: str | None = None) -> list[GenerateRequest]:
-    tokenizer = require_tokenizer(state)
+    tokenizer = state.require_tokenizer()
     _check_supported(req)
     prompts = completion_prompts(tokenizer, req.prompt, req.add_special_tokens)
     base = f"cmpl-{request_id or req.request_id}"

@@ -12,6 +12,7 @@ Layouts:
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
@@ -19,13 +20,18 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+import msgspec
 import uvicorn
 
 from pdserve.engine.api import Engine, EngineError
 from pdserve.engine.factory import build_engine
+from pdserve.engine.spec import TokenScript
+from pdserve.parsers import ParserConfig
 from pdserve.serve.app import create_app
 from pdserve.serve.config import ServerConfig
 from pdserve.text.tokenizer import Tokenizer
@@ -41,13 +47,12 @@ def load_tokenizer(config: ServerConfig) -> Tokenizer | None:
     return tokenizer
 
 
-def load_parser_config(config: ServerConfig, tokenizer: Tokenizer | None) -> Any:
+def load_parser_config(config: ServerConfig, tokenizer: Tokenizer | None) -> ParserConfig | None:
     """Validate --reasoning-parser/--tool-call-parser against the tokenizer at startup."""
     if not (config.reasoning_parser or config.tool_call_parser):
         return None
     if tokenizer is None:
         raise ValueError("--reasoning-parser/--tool-call-parser need a tokenizer; drop --tokens-only")
-    from pdserve.parsers import ParserConfig
 
     parsers = ParserConfig(
         reasoning_parser=config.reasoning_parser,
@@ -63,11 +68,55 @@ def resolve_model_tokenizer(config: ServerConfig) -> ServerConfig:
     spec = config.engine
     if spec is None or spec.kind != "torch":
         return config
-    from pdserve.engine.model_registry import resolve_model
+    from pdserve.checkpoints.resolve import resolve_model
 
     model_dir = resolve_model(spec.model)
     tokenizer = None if config.tokens_only else (config.tokenizer or str(model_dir))
     return replace(config, tokenizer=tokenizer)
+
+
+def load_scripts(path: str | Path, encode: Callable[[str], list[int]]) -> list[TokenScript]:
+    """Read a JSONL script file: ``{"text": ...}`` (``encode`` turns it into ids) or ``{"token_ids": [...]}``,
+    each optionally with ``"fail_after": N``."""
+    scripts = []
+    for line_no, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        entry = json.loads(line)
+        if "token_ids" in entry:
+            ids = [int(i) for i in entry["token_ids"]]
+        elif "text" in entry:
+            ids = encode(entry["text"])
+        else:
+            raise ValueError(f"{path}:{line_no}: a script line needs 'text' or 'token_ids'")
+        if not ids:
+            raise ValueError(f"{path}:{line_no}: empty script")
+        fail_after = entry.get("fail_after")
+        scripts.append(TokenScript(ids, None if fail_after is None else int(fail_after)))
+    if not scripts:
+        raise ValueError(f"{path}: no scripts")
+    return scripts
+
+
+def encode_scripts(config: ServerConfig, tokenizer: Tokenizer | None) -> ServerConfig:
+    """The scripted engine knows token ids only: encode ``--script`` here and put ids, vocabulary
+    size and EOS in its spec (``tokenizer`` is reused when it is the scripts' tokenizer)."""
+    spec = config.engine
+    if spec is None or spec.kind != "scripted":
+        return config
+    if not config.script:
+        raise ValueError("the scripted engine needs --script FILE (JSONL of {'text': ...} or {'token_ids': [...]})")
+    name = config.script_tokenizer
+    if not name:
+        raise ValueError("the scripted engine needs --tokenizer (e.g. qwen3)")
+    encoder = tokenizer if tokenizer is not None and config.tokenizer == name else Tokenizer.load(name)
+    if encoder.eos_token_id is None:
+        raise ValueError(f"tokenizer {name!r} has no eos_token; the scripted engine ends scripts with it")
+    scripts = load_scripts(config.script, encoder.encode)
+    spec = msgspec.structs.replace(
+        spec, scripts=scripts, vocab_size=encoder.vocab_size, eos_token_ids=[encoder.eos_token_id]
+    )
+    return replace(config, engine=spec)
 
 
 def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
@@ -81,10 +130,9 @@ def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
-def _serve_app(config: ServerConfig, engine: Engine | None, tokenizer: Tokenizer | None, parsers: Any,
+def _serve_app(config: ServerConfig, engine: Engine | None, tokenizer: Tokenizer | None, parsers: ParserConfig | None,
                sock: socket.socket) -> None:
-    app = create_app(config, engine, tokenizer)
-    app.state.pdserve.parser_config = parsers
+    app = create_app(config, engine, tokenizer, parser_config=parsers)
     server = uvicorn.Server(
         uvicorn.Config(app, log_level=config.log_level, loop="uvloop", http="httptools", timeout_graceful_shutdown=5)
     )
@@ -93,7 +141,8 @@ def _serve_app(config: ServerConfig, engine: Engine | None, tokenizer: Tokenizer
 
 def _frontend_main(config: ServerConfig, index: int) -> None:
     """Entry point of one spawned frontend process (connects to the running engine core)."""
-    from pdserve.engine.core import EngineCoreAddresses, EngineCoreClient
+    from pdserve.engine.core import EngineCoreAddresses
+    from pdserve.engine.core_client import EngineCoreClient
 
     logging.basicConfig(level=config.log_level.upper(), format=f"%(asctime)s frontend-{index} %(levelname)s: %(message)s")
     tokenizer = load_tokenizer(config)
@@ -108,6 +157,7 @@ def run_server(config: ServerConfig) -> int:
         config = resolve_model_tokenizer(config)
         tokenizer = load_tokenizer(config)
         parsers = load_parser_config(config, tokenizer)
+        config = encode_scripts(config, tokenizer)
         if config.api_server_count < 1:
             raise ValueError("--api-server-count must be at least 1")
         spec = config.engine
@@ -121,8 +171,9 @@ def run_server(config: ServerConfig) -> int:
     return _run_with_core(config, tokenizer, parsers)
 
 
-def _run_with_core(config: ServerConfig, tokenizer: Tokenizer | None, parsers: Any) -> int:
-    from pdserve.engine.core import EngineCoreClient, start_engine_core
+def _run_with_core(config: ServerConfig, tokenizer: Tokenizer | None, parsers: ParserConfig | None) -> int:
+    from pdserve.engine.core import start_engine_core
+    from pdserve.engine.core_client import EngineCoreClient
 
     assert config.engine is not None
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import GenerateRequest
 from pdserve.protocol.sampling import MAX_BAD_WORD_SEQUENCES, SamplingParams
-from pdserve.serve.app import AppState
+from pdserve.serve.state import AppState
 from pdserve.text.tokenizer import Tokenizer
 
 

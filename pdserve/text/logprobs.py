@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from pdserve.engine.api import PositionLogprobs
+from pdserve.protocol.engine import PositionLogprobs
 from pdserve.protocol.generate import GenerateLogProb, GenerateLogProbsContent, PromptLogprob
 from pdserve.protocol.openai import (
     ChatCompletionLogProb,
@@ -133,6 +133,11 @@ def chat_top_limit(logprobs: int | None) -> int | None:
     if logprobs is None or logprobs < 0:
         return None
     return logprobs
+
+
+def completion_top_limit(logprobs: int | None) -> int | None:
+    """Completions' cut: ``logprobs`` counts alternatives besides the sampled token, so k + 1 are kept."""
+    return None if logprobs is None else logprobs + 1
 
 
 def completion_logprobs(

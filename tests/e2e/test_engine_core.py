@@ -9,9 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.engine.api import EngineDeadError, EngineError, EngineOutput, EngineRequest, SequenceSampling
-from pdserve.engine.core import EngineCoreClient, EngineCoreHandle, start_engine_core
-from pdserve.engine.factory import EngineSpec
+from pdserve.engine.api import EngineDeadError, EngineError
+from pdserve.engine.core import EngineCoreHandle, start_engine_core
+from pdserve.engine.core_client import EngineCoreClient
+from pdserve.engine.spec import EngineSpec
+from pdserve.protocol.engine import EngineOutput, EngineRequest, SequenceSampling
 from tests.waiting import async_wait_until
 
 PROMPT = [9707, 11, 1879, 0, 151644, 872, 198]
@@ -122,7 +124,7 @@ def test_smollm2_core_answers_through_the_client() -> None:
     import jinja2
     from tokenizers import Tokenizer
 
-    from pdserve.engine.model_registry import resolve_model
+    from pdserve.checkpoints.resolve import resolve_model
 
     model_dir = resolve_model("smollm2-135m")
     template = json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
@@ -144,3 +146,28 @@ def test_smollm2_core_answers_through_the_client() -> None:
         handle.shutdown()
     assert "Paris" in tokenizer.decode(token_ids(outputs))
     assert outputs[-1].finish_reason == "stop" and outputs[-1].new_logprobs[0].ranks[0] == 1
+
+
+def test_one_message_per_engine_step_reaches_the_client(core: EngineCoreHandle) -> None:
+    """The hot path over the real core process: N streams decoding together cost one ZMQ message per
+    step (not one per request), and the client dispatches each message in one pass."""
+    streams, tokens = 6, 40
+
+    async def go() -> tuple[int, list[list[EngineOutput]]]:
+        client = await EngineCoreClient.connect(core.addresses)
+        try:
+            before = client.step_messages
+            results = await asyncio.gather(
+                *(collect(client, req(f"batched-{i}", max_tokens=tokens, temperature=0, ignore_eos=True))
+                  for i in range(streams))
+            )
+            return client.step_messages - before, list(results)
+        finally:
+            await client.shutdown()
+
+    messages, results = asyncio.run(go())
+    assert all(len(token_ids(r)) == tokens for r in results)
+    outputs = sum(len(r) for r in results)
+    assert outputs >= streams * tokens
+    # Requests admitted a few steps apart add a few steps; a message per output would be >= 240.
+    assert messages <= tokens + 2 * streams, (messages, outputs)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.output.generate_builders import usage_of
 from pdserve.output.openai_builders import (
     chat_chunk,
     chat_response,
@@ -16,13 +15,16 @@ from pdserve.output.openai_builders import (
     completion_chunk,
     completion_response,
 )
+from pdserve.output.policy import usage_chunk, usage_of
+from pdserve.output.request_state import RequestState
 from pdserve.protocol.generate import GenerateRequest
-from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest
-from pdserve.serve.app import app_state, parse_body
+from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest, UsageInfo
+from pdserve.serve.http import parse_body
 from pdserve.serve.render import render_chat, render_completion
-from pdserve.serve.routes.generate import prepare
-from pdserve.serve.running import merged_updates, respond_batch, respond_stream
+from pdserve.serve.requests import prepare
+from pdserve.serve.responses import merged_updates, respond_batch, respond_stream
 from pdserve.serve.sse import sse_event
+from pdserve.serve.state import app_state
 from pdserve.serve.validation import validate_generate
 
 render_router = APIRouter()
@@ -66,7 +68,11 @@ async def chat_completions(request: Request) -> Response:
     if not chat.stream:
         return await respond_batch(
             request, state, prepared, ("chat", "derender"),
-            lambda: chat_response(rstate, response_id, state.model_name, return_ids),
+            lambda: chat_response(
+                rstate.choices, response_id, state.model_name,
+                usage_of(len(gen.token_ids), rstate.completion_tokens), return_ids,
+                prompt_token_ids=gen.token_ids, kv_transfer_params=rstate.kv_transfer_params,
+            ),
         )
     include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
     continuous = include_usage and bool(chat.stream_options and chat.stream_options.continuous_usage_stats)
@@ -85,11 +91,11 @@ async def chat_completions(request: Request) -> Response:
             ):
                 continue
             usage = usage_of(prompt_len, len(rstate.choices[update.index].token_ids)) if continuous else None
-            yield sse_event(chat_chunk(rstate, update, response_id, model, return_ids, usage))
+            choice = rstate.choices[update.index]
+            yield sse_event(chat_chunk(choice, update, response_id, model, return_ids, usage))
         if include_usage:
-            usage_chunk = {"id": response_id, "object": "chat.completion.chunk", "model": model, "choices": [],
-                           "usage": usage_of(prompt_len, rstate.completion_tokens).model_dump(exclude_none=True)}
-            yield sse_event(usage_chunk)
+            head = {"id": response_id, "object": "chat.completion.chunk", "model": model}
+            yield sse_event(usage_chunk(head, usage_of(prompt_len, rstate.completion_tokens)))
 
     return respond_stream(state, ("chat", "derender"), events())
 
@@ -109,7 +115,9 @@ async def completions(request: Request) -> Response:
     if not req.stream:
         return await respond_batch(
             request, state, prepared, ("completions", "text"),
-            lambda: completion_response(states, response_id, state.model_name, return_ids),
+            lambda: completion_response(
+                [s.choices for s in states], response_id, state.model_name, _completions_usage(states), return_ids
+            ),
         )
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     # Choice indexes run across prompts: prompt k's choice i is k * n + i.
@@ -124,12 +132,16 @@ async def completions(request: Request) -> Response:
                 continue
             index = k * n + update.index
             offset = offsets.get(index, 0)
-            yield sse_event(completion_chunk(states[k], update, index, offset, response_id, model, return_ids, None))
+            yield sse_event(completion_chunk(update, index, offset, response_id, model, return_ids, None))
             offsets[index] = offset + len(update.text)
         if include_usage:
-            prompt_tokens = sum(len(s.config.prompt_token_ids) for s in states)
-            usage = usage_of(prompt_tokens, sum(s.completion_tokens for s in states))
-            yield sse_event({"id": response_id, "object": "text_completion", "model": model, "choices": [],
-                             "usage": usage.model_dump(exclude_none=True)})
+            head = {"id": response_id, "object": "text_completion", "model": model}
+            yield sse_event(usage_chunk(head, _completions_usage(states)))
 
     return respond_stream(state, ("completions", "text"), events())
+
+
+def _completions_usage(states: Sequence[RequestState]) -> UsageInfo:
+    """Usage summed over every prompt of a completions request."""
+    prompt_tokens = sum(len(s.config.prompt_token_ids) for s in states)
+    return usage_of(prompt_tokens, sum(s.completion_tokens for s in states))

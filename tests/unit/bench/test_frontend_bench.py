@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench import frontend, report
-from pdserve.bench.frontend import SECTION_HEADING, Verifier, add_frontend_args, resolve_profile, run_frontend_bench
+from pdserve.bench import frontend, orchestrate, report
+from pdserve.bench.frontend import SECTION_HEADING, add_frontend_args, resolve_profile, run_frontend_bench
 from pdserve.bench.loadgen import (
     CLOCK_TICKS,
     Arm,
@@ -32,7 +32,10 @@ from pdserve.bench.loadgen import (
     start_all,
     stat_fields,
 )
+from pdserve.bench.orchestrate import Profile, RunResult
 from pdserve.bench.report import markdown_table, percentile, replace_section, request_latency
+from pdserve.bench.verify import Verifier
+from pdserve.bench.writeup import METHODOLOGY_LINK, docs_section
 from pdserve.text.tokenizer import Tokenizer
 
 ENGINE_SECTION = "## Engine (pdserve bench engine)\n\nengine numbers stay here\n"
@@ -167,6 +170,25 @@ def test_write_docs_creates_the_file_with_a_title(tmp_path: Path) -> None:
     assert path.read_text() == f"# pdserve benchmarks\n\n{SECTION_HEADING}\n\nnumbers\n"
 
 
+def test_docs_section_prints_the_server_flags_the_run_used() -> None:
+    # The generate server gets --max-num-seqs max(64, C): a hand-written command line said 64 whatever C.
+    profile = Profile(lengths=(32,), concurrency=(1, 100), rounds=1, step_ms=7.5, scripts_per_length=1,
+                      time_budget_s=1.0)
+    result = RunResult(profile, [], {}, rounds_done=1, wall_s=1.0, checked=0, compared=0)
+    section = docs_section(result, "pdserve bench frontend", {})
+    assert "--max-num-seqs 100" in section and "--max-num-seqs 64" not in section
+    assert "--step-ms 7.5" in section and "one token every 7.5 ms" in section
+
+
+def test_docs_section_links_the_methodology_page() -> None:
+    profile = orchestrate.QUICK_PROFILE
+    section = docs_section(RunResult(profile, [], {}, 1, 1.0, 0, 0), "pdserve bench frontend", {})
+    assert METHODOLOGY_LINK in section
+    target = METHODOLOGY_LINK.split("(")[1].rstrip(")")
+    page = Path(__file__).resolve().parents[3] / "docs" / target
+    assert page.read_text().startswith("# How `pdserve bench frontend` measures")
+
+
 # ---------------------------------------------------------------- arms, profiles, verification
 
 
@@ -192,10 +214,10 @@ def test_generate_body_per_arm() -> None:
 
 
 def test_profiles_and_explicit_flags() -> None:
-    assert resolve_profile(parse()) == frontend.DEFAULT_PROFILE
-    assert resolve_profile(parse("--quick")) == frontend.QUICK_PROFILE
+    assert resolve_profile(parse()) == orchestrate.DEFAULT_PROFILE
+    assert resolve_profile(parse("--quick")) == orchestrate.QUICK_PROFILE
     custom = resolve_profile(parse("--quick", "--lengths", "32,48", "--rounds", "2"))
-    assert custom.lengths == (32, 48) and custom.rounds == 2 and custom.step_ms == frontend.QUICK_PROFILE.step_ms
+    assert custom.lengths == (32, 48) and custom.rounds == 2 and custom.step_ms == orchestrate.QUICK_PROFILE.step_ms
     with pytest.raises(SystemExit):
         parse("--arms", "tokens,nope")
 
@@ -257,7 +279,7 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
     assert run_frontend_bench(parse("--quick", "--json", str(out), "--docs", str(docs))) == 0
 
     result = json.loads(out.read_text())
-    profile = frontend.QUICK_PROFILE
+    profile = orchestrate.QUICK_PROFILE
     assert [(c["length"], c["concurrency"]) for c in result["cells"]] == [
         (n, c) for n in profile.lengths for c in profile.concurrency
     ]

@@ -7,10 +7,12 @@ import asyncio
 import pytest
 from tokenizers import Tokenizer
 
-from pdserve.engine.api import EngineOutput, EngineRequest, SequenceSampling
-from pdserve.engine.factory import EngineSpec, build_engine
-from pdserve.engine.model_registry import resolve_model
-from pdserve.serve.cli import build_parser, serve_config
+from pdserve.checkpoints.resolve import resolve_model
+from pdserve.cli import build_parser
+from pdserve.engine.factory import build_engine
+from pdserve.engine.spec import EngineSpec
+from pdserve.protocol.engine import EngineOutput, EngineRequest, SequenceSampling
+from pdserve.serve.cli import serve_config
 
 MODEL = "smollm2-135m"
 # More sequences than the ~32 rows at which oneDNN switches kernels on AMX CPUs.

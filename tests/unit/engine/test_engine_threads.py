@@ -15,10 +15,11 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from pdserve.engine.api import EngineRequest, SequenceSampling
 from pdserve.engine.core import start_engine_core
-from pdserve.engine.factory import EngineSpec, build_engine
+from pdserve.engine.factory import build_engine
 from pdserve.engine.runners.torch_runner import TorchEngine
+from pdserve.engine.spec import EngineSpec
+from pdserve.protocol.engine import EngineRequest, SequenceSampling
 
 ALLOWED = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 needs_two_cpus = pytest.mark.skipif(len(ALLOWED) < 2, reason="needs at least 2 allowed CPUs to narrow the mask")

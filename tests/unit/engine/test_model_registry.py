@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from pdserve.engine import model_registry
-from pdserve.engine.model_registry import resolve_model
+from pdserve.checkpoints import resolve as model_registry
+from pdserve.checkpoints.resolve import resolve_model
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdserve.checkpoints.gguf_tensors import unpermute_rope_rows
 from pdserve.engine.models import (
     DECODE_MICROBATCH,
     KVCache,
@@ -17,7 +18,7 @@ from pdserve.engine.models import (
     model_config,
 )
 from pdserve.engine.models.llama import INVARIANT_ROWS, Linear
-from pdserve.engine.weights import permute_rope_rows, unpermute_rope_rows
+from tests.unit.engine.rope_rows import permute_rope_rows
 
 # (out, in) of every linear in SmolLM2-135M (qkv, o, gate_up, down, lm_head) and qwen3-tiny.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (128, 64), (64, 64), (256, 64), (64, 128)]

@@ -9,7 +9,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.api import SequenceSampling
 from pdserve.engine.sampler import (
     SequenceState,
     process_logits,
@@ -18,6 +17,7 @@ from pdserve.engine.sampler import (
     sample_row,
     top_k_top_p,
 )
+from pdserve.protocol.engine import SequenceSampling
 
 INF = float("inf")
 EOS = frozenset({7})

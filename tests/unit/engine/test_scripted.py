@@ -6,15 +6,17 @@ import asyncio
 
 import pytest
 
-from pdserve.engine.api import EngineDeadError, EngineError, EngineOutput, EngineRequest, SequenceSampling
-from pdserve.engine.runners.scripted import ScriptedEngine, Script
+from pdserve.engine.api import EngineDeadError, EngineError
+from pdserve.engine.runners.scripted import ScriptedEngine
+from pdserve.engine.spec import TokenScript
+from pdserve.protocol.engine import EngineOutput, EngineRequest, SequenceSampling
 
 EOS = 99
 SCRIPT = [10, 11, 12, 13, 14]
 
 
 def engine(**kw) -> ScriptedEngine:  # type: ignore[no-untyped-def]
-    scripts = kw.pop("scripts", [Script(SCRIPT)])
+    scripts = kw.pop("scripts", [TokenScript(SCRIPT)])
     return ScriptedEngine(scripts, vocab_size=100, eos_token_ids=[EOS, 98], **kw)
 
 
@@ -55,7 +57,7 @@ def test_min_tokens_and_ignore_eos_replay_the_script() -> None:
 def test_stop_token_ids_and_secondary_eos() -> None:
     outs = run(engine(), max_tokens=100, stop_token_ids=[12])
     assert ids(outs) == [10, 11, 12] and outs[-1].stop_reason == 12
-    outs = run(engine(scripts=[Script([10, 98, 11])]), max_tokens=100)
+    outs = run(engine(scripts=[TokenScript([10, 98, 11])]), max_tokens=100)
     assert ids(outs) == [10, 98] and outs[-1].stop_reason == 98
     outs = run(engine(), max_tokens=100, stop_token_ids=[10], min_tokens=2)
     assert ids(outs)[:6] == SCRIPT + [EOS], "min_tokens blocks an early stop token"
@@ -80,7 +82,7 @@ def test_seeded_logprobs_are_reproducible_and_sampled_first() -> None:
 
 
 def test_script_index_pick_and_round_robin() -> None:
-    eng = engine(scripts=[Script([1]), Script([2])])
+    eng = engine(scripts=[TokenScript([1]), TokenScript([2])])
     assert ids(run(eng, "a")) == [1, EOS]
     assert ids(run(eng, "b")) == [2, EOS]
     assert ids(run(eng, "c", extra_args={"script_index": 1})) == [2, EOS]
@@ -110,7 +112,7 @@ def test_abort_and_stop_sequence() -> None:
 
 def test_failure_and_dead_engine() -> None:
     with pytest.raises(EngineError, match="after 2 tokens"):
-        run(engine(scripts=[Script(SCRIPT, fail_after=2)]), max_tokens=10)
+        run(engine(scripts=[TokenScript(SCRIPT, fail_after=2)]), max_tokens=10)
 
     async def dead() -> None:
         eng = engine()

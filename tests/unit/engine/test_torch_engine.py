@@ -19,10 +19,12 @@ import jinja2
 import pytest
 from tokenizers import Tokenizer
 
-from pdserve.engine.api import EngineDeadError, EngineError, EngineOutput, EngineRequest, SequenceSampling
-from pdserve.engine.factory import EngineSpec, build_engine
-from pdserve.engine.model_registry import resolve_model
+from pdserve.checkpoints.resolve import resolve_model
+from pdserve.engine.api import EngineDeadError, EngineError
+from pdserve.engine.factory import build_engine
 from pdserve.engine.runners.torch_runner import TorchEngine
+from pdserve.engine.spec import EngineSpec
+from pdserve.protocol.engine import EngineOutput, EngineRequest, SequenceSampling
 from tests.waiting import async_wait_until
 
 PROMPT = [9707, 11, 1879, 0, 151644, 872, 198]

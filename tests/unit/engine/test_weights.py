@@ -11,8 +11,11 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from pdserve.engine.model_registry import qwen3_tokenizer_dir, resolve_model, tokenizer_from_gguf_metadata
-from pdserve.engine.weights import hf_tensor_name, permute_rope_rows
+from pdserve.checkpoints.builtin import qwen3_tokenizer_dir
+from pdserve.checkpoints.gguf_tensors import hf_tensor_name
+from pdserve.checkpoints.gguf_tokenizer import tokenizer_from_gguf_metadata
+from pdserve.checkpoints.resolve import resolve_model
+from tests.unit.engine.rope_rows import permute_rope_rows
 
 GGUF_NAMES = {
     "input_layernorm": "attn_norm",

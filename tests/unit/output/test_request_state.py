@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.api import EngineOutput
 from pdserve.output.request_state import ChoiceState, OutputConfig
+from pdserve.protocol.engine import EngineOutput
 from pdserve.text.detokenizer import StopConfig
 from pdserve.text.tokenizer import Tokenizer
 

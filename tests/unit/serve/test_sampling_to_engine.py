@@ -8,13 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.runners.scripted import Script, ScriptedEngine
+from pdserve.engine.runners.scripted import ScriptedEngine
+from pdserve.engine.spec import TokenScript
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import GenerateRequest
-from pdserve.serve.app import AppState
 from pdserve.serve.config import ServerConfig
 from pdserve.serve.metrics import Metrics
-from pdserve.serve.routes.generate import engine_request
+from pdserve.serve.requests import engine_request
+from pdserve.serve.state import AppState
 from pdserve.serve.validation import bad_words_token_ids, validate_generate
 from pdserve.text.tokenizer import Tokenizer
 
@@ -22,7 +23,7 @@ TOKENIZER = Tokenizer.load("qwen3")
 
 
 def state(tokens_only: bool = False) -> AppState:
-    engine = ScriptedEngine([Script([9707])], vocab_size=TOKENIZER.vocab_size, eos_token_ids=[151645])
+    engine = ScriptedEngine([TokenScript([9707])], vocab_size=TOKENIZER.vocab_size, eos_token_ids=[151645])
     asyncio.run(engine.start())
     config = ServerConfig(engine=None, tokens_only=tokens_only)
     return AppState(config=config, engine=engine, tokenizer=None if tokens_only else TOKENIZER, metrics=Metrics())

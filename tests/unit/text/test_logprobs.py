@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from pdserve.engine.api import PositionLogprobs
+from pdserve.protocol.engine import PositionLogprobs
 from pdserve.text.logprobs import (
     LogprobDecoder,
     chat_top_limit,

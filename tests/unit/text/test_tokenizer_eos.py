@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.engine.model_registry import resolve_model
+from pdserve.checkpoints.resolve import resolve_model
 from pdserve.engine.runners.torch_runner import read_model_facts
 from pdserve.text.tokenizer import Tokenizer, resolve_tokenizer_dir
 

@@ -1,4 +1,4 @@
-"""Run prepared requests for an HTTP handler: to completion (batch) or as merged update streams.
+"""Responses for prepared requests: run to completion (batch) or as merged update streams (SSE).
 
 Both paths tie the engine requests to the client connection: a client that
 goes away cancels the drivers, whose cleanup aborts the engine requests.
@@ -14,11 +14,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from pdserve.engine.api import EngineError, EngineRequest
-from pdserve.output.driver import drive
+from pdserve.engine.api import EngineError
+from pdserve.serve.driver import drive
 from pdserve.output.request_state import ChoiceUpdate, RequestState
-from pdserve.serve.app import AppState, error_event
+from pdserve.protocol.engine import EngineRequest
+from pdserve.serve.http import error_body
 from pdserve.serve.sse import DONE, sse_event
+from pdserve.serve.state import AppState
 
 Prepared = tuple[EngineRequest, RequestState]
 
@@ -96,7 +98,7 @@ def respond_stream(state: AppState, labels: tuple[str, str], events: AsyncIterat
                     yield event
         except EngineError as e:
             status = "500"
-            yield sse_event(error_event(f"engine error: {e}", 500, "InternalServerError"))
+            yield sse_event(error_body(f"engine error: {e}", 500, "InternalServerError"))
         except asyncio.CancelledError:
             status = "499"
             raise

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from pdserve.engine.api import Engine, EngineRequest
+from pdserve.engine.api import Engine
 from pdserve.output.request_state import ChoiceUpdate, RequestState
+from pdserve.protocol.engine import EngineRequest
 
 
 async def drive(engine: Engine, request: EngineRequest, state: RequestState) -> AsyncIterator[ChoiceUpdate]:

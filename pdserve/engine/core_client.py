@@ -1,0 +1,205 @@
+"""The engine-core client: the :class:`~pdserve.engine.api.Engine` every frontend uses to reach a core.
+
+It sends typed commands (:mod:`pdserve.engine.messages`) over a ZMQ DEALER and owns the only
+per-request async iterators: each ``StepOutputs`` the core sends (one per step) is dispatched
+to them in one pass (:meth:`~pdserve.engine.channels.OutputChannels.deliver`).
+
+Supervision: a client declares the engine dead (every in-flight iterator raises
+:class:`EngineDeadError`) when the core's pid is gone, the core says its engine died, or
+heartbeats stop for :data:`HEARTBEAT_TIMEOUT_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pdserve.engine.api import EngineDeadError
+from pdserve.engine.channels import OutputChannels
+from pdserve.engine.core import EngineCoreAddresses
+from pdserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreDead,
+    CoreMessage,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Ready,
+    StepOutputs,
+    StopSequence,
+)
+from pdserve.protocol.engine import EngineInfo, EngineOutput, EngineRequest, EngineStats
+
+# A client gives up on a core that has been silent this long (the pid check is faster
+# when the core runs on the same host, which is always the case today).
+HEARTBEAT_TIMEOUT_S = 10.0
+# How often a client checks the core's pid.
+LIVENESS_POLL_S = 0.2
+
+
+def _pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+class EngineCoreClient:
+    """:class:`~pdserve.engine.api.Engine` backed by a core process (see module docstring).
+
+    ``step_messages`` counts the ``StepOutputs`` received, each dispatched in one pass.
+
+    Use from one asyncio event loop: ``client = await EngineCoreClient.connect(addresses)``.
+    """
+
+    info: EngineInfo  # set by start() from the core's handshake
+    core_pid: int
+
+    def __init__(self, addresses: EngineCoreAddresses, *, connect_timeout: float = 30.0) -> None:
+        self.addresses = addresses
+        self.connect_timeout = connect_timeout
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(CoreMessage)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._channels = OutputChannels()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._dead: EngineDeadError | None = None
+        self._stats = EngineStats()
+        self._last_heard = 0.0
+        self.step_messages = 0
+
+    @classmethod
+    async def connect(cls, addresses: EngineCoreAddresses, *, connect_timeout: float = 30.0) -> EngineCoreClient:
+        client = cls(addresses, connect_timeout=connect_timeout)
+        await client.start()
+        return client
+
+    async def start(self) -> None:
+        """Connect and handshake: afterwards ``info`` and ``core_pid`` are the core's."""
+        if self._sock is not None:
+            return
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.addresses.endpoint)
+        self._send(Hello())
+        try:
+            while True:
+                reply = self._decoder.decode(await asyncio.wait_for(self._sock.recv(), self.connect_timeout))
+                if isinstance(reply, Ready):
+                    break
+        except TimeoutError:
+            self._close_socket()
+            raise EngineDeadError(
+                f"engine core at {self.addresses.endpoint} did not answer within {self.connect_timeout:.0f}s"
+            ) from None
+        self.info, self.core_pid = reply.info, reply.pid
+        self._last_heard = time.monotonic()
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+
+    async def shutdown(self) -> None:
+        """Disconnect this client (the core keeps serving others); its in-flight requests end."""
+        if self._sock is None:
+            return
+        if self._dead is None:
+            self._send(Goodbye())
+        self._die("engine client shut down")
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._close_socket()
+
+    def is_healthy(self) -> bool:
+        return self._sock is not None and self._dead is None
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def abort(self, request_ids: list[str]) -> None:
+        if request_ids and self._dead is None:
+            self._send(AbortRequests(list(request_ids)))
+
+    async def stop_sequence(self, request_id: str, index: int) -> None:
+        if self._dead is None:
+            self._send(StopSequence(request_id, index))
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if self._dead is not None:
+            raise self._dead
+        if self._sock is None:
+            raise EngineDeadError("engine client is not connected (call start() first)")
+        rid = request.request_id
+
+        def abandon() -> None:
+            if self._dead is None:
+                self._send(AbortRequests([rid]))
+
+        # aclosing: closing this iterator must close the channel's at once (its cleanup aborts).
+        async with contextlib.aclosing(self._channels.stream(rid, lambda: self._send(AddRequest(request)), abandon)) as outputs:
+            async for output in outputs:
+                yield output
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _send(self, message: Any) -> None:
+        assert self._sock is not None
+        self._sock.send(self._encoder.encode(message))
+
+    async def _receive(self) -> None:
+        assert self._sock is not None
+        while True:
+            frame = await self._sock.recv()
+            self._last_heard = time.monotonic()
+            try:
+                message = self._decoder.decode(frame)
+            except msgspec.DecodeError:
+                continue
+            if isinstance(message, StepOutputs):
+                self.step_messages += 1
+                self._channels.deliver(message)
+            elif isinstance(message, Heartbeat):
+                self._stats = message.stats
+            elif isinstance(message, CoreDead):
+                self._die(f"engine core reported its engine dead: {message.message}")
+                return
+
+    async def _watch(self) -> None:
+        while self._dead is None:
+            await asyncio.sleep(LIVENESS_POLL_S)
+            if not _pid_alive(self.core_pid):
+                self._die(f"engine core process {self.core_pid} exited")
+            elif time.monotonic() - self._last_heard > HEARTBEAT_TIMEOUT_S:
+                self._die(f"engine core process {self.core_pid} sent no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f}s")
+
+    def _die(self, reason: str) -> None:
+        if self._dead is not None:
+            return
+        self._dead = EngineDeadError(reason)
+        self._channels.fail_all(self._dead)
+
+    def _close_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None

@@ -1,0 +1,38 @@
+"""Rules every response surface shares (generate, the coupled OpenAI endpoints, stateless derender),
+each written once: usage counts, the usage-only stream chunk, and the delta that names the role.
+
+Metadata hiding is :attr:`~pdserve.output.request_state.ChoiceState.hides_metadata`; the logprob
+candidate cuts are :func:`~pdserve.text.logprobs.chat_top_limit` and
+:func:`~pdserve.text.logprobs.completion_top_limit`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.protocol.openai import DeltaMessage, UsageInfo
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    )
+
+
+def usage_chunk(head: dict[str, Any], usage: UsageInfo | None, *, drop_nulls: bool = True) -> dict[str, Any]:
+    """The chunk that carries only usage (no choices) after a stream's last choice chunk.
+
+    ``head`` holds the surface's identifying fields (generate: request_id and output_mode; OpenAI:
+    id, object, model). ``drop_nulls``: leave unset usage details out, as the streaming endpoints
+    do; stateless derender echoes every field of the usage it was given.
+    """
+    body = usage.model_dump(exclude_none=drop_nulls) if usage is not None else None
+    return {**head, "choices": [], "usage": body}
+
+
+def assistant_delta(delta: DeltaMessage | None) -> DeltaMessage:
+    """A choice's opening delta: ``delta`` (or an empty one) with ``role: "assistant"``, which
+    OpenAI-shaped streams send once per choice, on its first delta."""
+    opening = delta.model_copy() if delta is not None else DeltaMessage()
+    opening.role = "assistant"
+    return opening

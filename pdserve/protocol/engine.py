@@ -1,0 +1,134 @@
+"""The engine's wire types: what crosses the engine boundary, per request and per step.
+
+Token ids in, token ids (and logprob ids) out; never text. They sit at the bottom of the
+package so that the engine, the output layer (ids -> text) and the text layer (logprob
+decoding) all import them downwards. Everything is a msgspec Struct so the same values
+cross the ZMQ boundary to the engine-core process unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+
+class SequenceSampling(msgspec.Struct, frozen=True, kw_only=True):
+    """What the engine needs to sample one request (all of its ``n`` sequences)."""
+
+    n: int = 1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    # Logits processing (vLLM semantics): penalties over the output (presence, frequency) and over
+    # prompt + output (repetition), additive per-id bias, an allow-list, and banned id sequences
+    # (bad_words tokenized by the frontend; the last id of a sequence is banned when the output
+    # ends with the ones before it).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    # Number of top candidates per sampled position (None = no logprobs, -1 = whole vocab).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    def logits_problems(self, vocab_size: int) -> list[str]:
+        """What is wrong with the logits-processing params (vLLM's rules); every engine's validation
+        calls it, so the rules are written once."""
+        problems = []
+        for name, value in (("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)):
+            if not -2.0 <= value <= 2.0:
+                problems.append(f"{name} must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            problems.append("repetition_penalty must be greater than zero")
+
+        def outside(ids: Iterable[int]) -> bool:
+            return any(not 0 <= t < vocab_size for t in ids)
+
+        if self.logit_bias and outside(self.logit_bias):
+            problems.append(f"logit_bias token ids must be in [0, {vocab_size})")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                problems.append("allowed_token_ids must not be empty")
+            elif outside(self.allowed_token_ids):
+                problems.append(f"allowed_token_ids must be in [0, {vocab_size})")
+        words = self.bad_words_token_ids or []
+        if any(not word for word in words):
+            problems.append("bad_words_token_ids must not contain an empty sequence")
+        elif any(outside(word) for word in words):
+            problems.append(f"bad_words_token_ids must be in [0, {vocab_size})")
+        elif self.allowed_token_ids and set(self.allowed_token_ids) <= {w[0] for w in words if len(w) == 1}:
+            problems.append("bad_words_token_ids ban every id in allowed_token_ids")
+        return problems
+
+
+class EngineRequest(msgspec.Struct, kw_only=True):
+    """One generate request as the engine sees it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SequenceSampling
+    kv_transfer_params: dict[str, Any] | None = None
+    priority: int = 0
+    # sampling_params.extra_args from the client (engine-specific knobs).
+    extra_args: dict[str, Any] | None = None
+
+
+class PositionLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of one position: the sampled token first, then the top-k candidates by rank.
+
+    ``ranks`` are 1-based vocab ranks (the sampled token's true rank, then 1..k).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
+class EngineOutput(msgspec.Struct, kw_only=True):
+    """One step's worth of output for one sequence (``index``) of a request."""
+
+    request_id: str
+    index: int = 0
+    new_token_ids: list[int] = []
+    # One entry per new token, aligned with new_token_ids (None when not requested).
+    new_logprobs: list[PositionLogprobs] | None = None
+    # Prompt logprobs arrive once, on the first output of index 0: first entry None.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # "stop" (EOS or stop token id), "length", "abort"; None while running.
+    finish_reason: str | None = None
+    # int stop token id for stop_token_ids / non-primary EOS; None for primary EOS.
+    stop_reason: int | str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineInfo(msgspec.Struct, kw_only=True):
+    """Static facts the frontend needs for validation and defaults."""
+
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    eos_token_ids: list[int]
+    # Threads the model's ops run on (sized from the engine process's CPU affinity); None: no model.
+    intra_op_threads: int | None = None
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    running_requests: int = 0
+    waiting_requests: int = 0
+    running_sequences: int = 0

@@ -1,0 +1,197 @@
+"""Client requests -> what the engine and the output layer run: the engine request, the output
+config (stop rules, logprob cut, special tokens) and the per-choice parser factory.
+
+Generate, the coupled OpenAI endpoints and stateless derender all build their configs here, so
+one request is postprocessed the same way whichever surface it came through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from pdserve.output.request_state import ChoiceParser, OutputConfig, RequestState
+from pdserve.protocol.engine import EngineRequest, SequenceSampling
+from pdserve.protocol.generate import GenerateRequest
+from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest
+from pdserve.serve.state import AppState
+from pdserve.serve.validation import resolve_max_tokens
+from pdserve.text.detokenizer import StopConfig
+from pdserve.text.logprobs import chat_top_limit, completion_top_limit
+
+# A render server (no engine) with no --max-model-len bounds derender input by this.
+DEFAULT_MAX_LEN = 131072
+
+
+def parser_context(req: GenerateRequest) -> ChatCompletionRequest | None:
+    """The request's parser context: ``chat_request`` (RFC shape) or ``parse_context`` (what /render emits)."""
+    if req.chat_request is not None:
+        return req.chat_request
+    if req.parse_context is not None:
+        return req.parse_context.to_chat_request()
+    return None
+
+
+def make_parser_factory(
+    state: AppState, context: ChatCompletionRequest | None, prompt_token_ids: Sequence[int]
+) -> Callable[[], ChoiceParser] | None:
+    """A factory of per-choice parsers, or None when plain text goes into ``message.content``."""
+    if not state.parsers_configured:
+        return None
+    from pdserve.parsers import ChatParser
+
+    config, tokenizer = state.parser_config, state.tokenizer
+    return lambda: ChatParser(config, tokenizer, context, prompt_token_ids)
+
+
+def skip_special_tokens(requested: bool | None, parser_reads_output: bool) -> bool | None:
+    """Whether detokenization drops special tokens: as the client asked, unless a parser reads the
+    text, which needs its markup tokens (vLLM's adjust_request does the same)."""
+    return False if parser_reads_output else requested
+
+
+def engine_request(req: GenerateRequest, request_id: str, max_tokens: int) -> EngineRequest:
+    """The engine's view of a validated request (validation tokenized ``bad_words`` into id sequences)."""
+    sp = req.sampling_params
+    if sp.bad_words and sp.bad_words_token_ids is None:
+        raise RuntimeError("bad_words reached the engine untokenized: validate_generate must run first")
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=req.token_ids,
+        sampling=SequenceSampling(
+            n=sp.n,
+            max_tokens=max_tokens,
+            min_tokens=sp.min_tokens,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            min_p=sp.min_p,
+            seed=sp.seed,
+            stop_token_ids=sp.stop_token_ids,
+            ignore_eos=sp.ignore_eos,
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty,
+            logit_bias=sp.logit_bias,
+            allowed_token_ids=sp.allowed_token_ids,
+            bad_words_token_ids=sp.bad_words_token_ids,
+            logprobs=sp.logprobs,
+            prompt_logprobs=sp.prompt_logprobs,
+        ),
+        kv_transfer_params=req.effective_kv_transfer_params(),
+        priority=req.priority,
+        extra_args=sp.extra_args,
+    )
+
+
+def output_config(state: AppState, req: GenerateRequest, completions_cut: bool = False) -> OutputConfig:
+    """Postprocessing for one request. Candidate cuts: chat keeps k (sampled counted first),
+    completions keep k+1, generate ``text`` keeps every candidate the engine returned."""
+    sp = req.sampling_params
+    parser_factory = None
+    top_limit = None
+    if req.output_mode == "derender":
+        parser_factory = make_parser_factory(state, parser_context(req), req.token_ids)
+        top_limit = chat_top_limit(sp.logprobs)
+    elif completions_cut:
+        top_limit = completion_top_limit(sp.logprobs)
+    return OutputConfig(
+        mode=req.output_mode,
+        prompt_token_ids=req.token_ids,
+        tokenizer=state.tokenizer,
+        skip_special_tokens=bool(skip_special_tokens(sp.skip_special_tokens, parser_factory is not None)),
+        # The engine's EOS ids, so a stop on EOS is told from any other "stop" the same way derender does.
+        stop=StopConfig(
+            tuple(sp.stop), sp.include_stop_str_in_output, sp.min_tokens, frozenset(sp.stop_token_ids),
+            tuple(state.require_engine().info.eos_token_ids), sp.ignore_eos,
+        ),
+        want_logprobs=sp.logprobs is not None,
+        top_logprobs_limit=top_limit,
+        parser_factory=parser_factory,
+        streaming=bool(req.stream),
+    )
+
+
+def prepare(
+    state: AppState, req: GenerateRequest, request_id: str, completions_cut: bool = False
+) -> tuple[EngineRequest, RequestState]:
+    """The engine request and its request-scoped output state (call after validation)."""
+    model_max_tokens = state.tokenizer.generation_defaults.get("max_tokens") if state.tokenizer else None
+    max_tokens = resolve_max_tokens(state.require_engine().info.max_model_len, req, model_max_tokens)
+    rstate = RequestState(request_id, req.sampling_params.n, output_config(state, req, completions_cut))
+    return engine_request(req, request_id, max_tokens), rstate
+
+
+# ---------------------------------------------------------------- stateless derender
+
+
+def max_model_len(state: AppState) -> int:
+    """The length derender input is bounded by: the engine's, else the configured one."""
+    if state.engine is not None:
+        return state.engine.info.max_model_len
+    return state.config.max_model_len or DEFAULT_MAX_LEN
+
+
+def _eos_token_ids(state: AppState) -> tuple[int, ...]:
+    """The model's EOS ids, primary first: the engine's where there is one (so derender agrees with
+    generate on the same server), else those of the tokenizer dir (a render server)."""
+    if state.engine is not None:
+        return tuple(state.engine.info.eos_token_ids)
+    return state.tokenizer.eos_token_ids if state.tokenizer is not None else ()
+
+
+def stop_tokens_config(state: AppState, request: ChatCompletionRequest | CompletionRequest | None) -> StopConfig:
+    """What tells a stop token at the end of a response: the request's stop ids, the model's EOS ids."""
+    if request is None:
+        return StopConfig(eos_token_ids=_eos_token_ids(state))
+    return StopConfig(
+        include_stop_str_in_output=request.include_stop_str_in_output, min_tokens=request.min_tokens,
+        stop_token_ids=frozenset(request.stop_token_ids or ()), eos_token_ids=_eos_token_ids(state),
+        ignore_eos=request.ignore_eos,
+    )
+
+
+def batch_stop_config(
+    state: AppState, finish_reason: str | None, stop_reason: int | str | None,
+    request: ChatCompletionRequest | CompletionRequest | None,
+) -> StopConfig:
+    """Batch derender: stop strings to re-cut with, as vLLM does. None unless the response finished
+    with "stop" and no stop token id; the matched string when the engine reported one (tokens mode
+    returns the ids up to the one that completed it); else the request's list."""
+    config = stop_tokens_config(state, request)
+    if finish_reason != "stop" or isinstance(stop_reason, int):
+        return config
+    if isinstance(stop_reason, str):
+        return replace(config, stop=(stop_reason,))
+    stops = request.stop if request else None
+    if isinstance(stops, str):
+        stops = [stops]
+    return replace(config, stop=tuple(s for s in stops or () if s))
+
+
+def derender_chat_config(
+    state: AppState, chat: ChatCompletionRequest | None, prompt_ids: Sequence[int], stop: StopConfig, streaming: bool,
+    want_logprobs: bool,
+) -> OutputConfig:
+    factory = make_parser_factory(state, chat, prompt_ids)
+    requested = chat is None or chat.skip_special_tokens is not False
+    return OutputConfig(
+        mode="derender", prompt_token_ids=prompt_ids, tokenizer=state.tokenizer,
+        skip_special_tokens=bool(skip_special_tokens(requested, factory is not None)), stop=stop,
+        want_logprobs=want_logprobs, top_logprobs_limit=derender_chat_top_limit(chat), parser_factory=factory,
+        streaming=streaming,
+    )
+
+
+def derender_chat_top_limit(chat: ChatCompletionRequest | None) -> int | None:
+    return chat_top_limit(chat.top_logprobs if chat is not None and chat.logprobs else None)
+
+
+def derender_completion_config(
+    state: AppState, req: CompletionRequest | None, prompt_ids: Sequence[int], stop: StopConfig, want_logprobs: bool
+) -> OutputConfig:
+    return OutputConfig(
+        mode="text", prompt_token_ids=prompt_ids, tokenizer=state.tokenizer,
+        skip_special_tokens=req is None or req.skip_special_tokens, stop=stop, want_logprobs=want_logprobs,
+        top_logprobs_limit=completion_top_limit(req.logprobs if req is not None else None),
+    )

@@ -1,0 +1,89 @@
+"""The hot path of one engine step: one ZMQ message per client, dispatched to its iterators in one pass.
+
+The core's turn runs the real torch step loop (qwen3-tiny); only the socket is a recording double,
+so the test counts exactly what the core would put on the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import pytest
+
+from pdserve.engine.channels import OutputChannels
+from pdserve.engine.core import CoreServer
+from pdserve.engine.messages import AddRequest, CoreMessage, Hello, Ready, StepOutputs
+from pdserve.engine.runners.torch_runner import TorchSetup
+from pdserve.engine.step_loop import StepLoop
+from pdserve.protocol.engine import EngineOutput, EngineRequest, SequenceSampling
+
+PROMPT = [9707, 11, 1879, 0, 151644, 872, 198]
+
+
+class RecordingSocket:
+    """Stands in for the ROUTER socket: nothing to receive, every send recorded."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, Any]] = []
+        self._decoder = msgspec.msgpack.Decoder(CoreMessage)
+
+    def poll(self, timeout_ms: int) -> int:
+        return 0
+
+    def send_multipart(self, frames: list[bytes]) -> None:
+        identity, payload = frames
+        self.sent.append((identity, self._decoder.decode(payload)))
+
+
+@pytest.fixture(scope="module")
+def steps() -> StepLoop:
+    return TorchSetup.create("qwen3-tiny", max_model_len=64, max_num_seqs=8).load()
+
+
+def request(rid: str, max_tokens: int) -> EngineRequest:
+    return EngineRequest(request_id=rid, prompt_token_ids=PROMPT, sampling=SequenceSampling(max_tokens=max_tokens))
+
+
+def test_one_step_with_n_running_requests_is_one_message_per_client(steps: StepLoop) -> None:
+    sock = RecordingSocket()
+    server = CoreServer(steps, sock, parent_pid=0)  # type: ignore[arg-type]
+    clients = {b"a": ["a0", "a1", "a2", "a3"], b"b": ["b0", "b1"]}
+    for identity, rids in clients.items():
+        server.handle(identity, Hello())
+        for rid in rids:
+            server.handle(identity, AddRequest(request(rid, max_tokens=5)))
+    assert all(isinstance(message, Ready) for _, message in sock.sent)
+
+    for turn in range(1, 4):  # the prefill(+first decode) step, then decode steps: all six requests run in each
+        sock.sent.clear()
+        server.turn(0.0)
+        assert sorted(identity for identity, _ in sock.sent) == [b"a", b"b"], "one message per client per step"
+        for identity, message in sock.sent:
+            assert isinstance(message, StepOutputs) and message.step == turn
+            assert sorted({o.request_id for o in message.outputs}) == clients[identity]
+            assert all(len(o.new_token_ids) == 1 for o in message.outputs)
+
+    while steps.has_work():  # drain, so the module's step loop is idle again
+        server.turn(0.0)
+    assert not server.owners
+
+
+def test_a_step_batch_reaches_every_iterator_in_one_dispatch() -> None:
+    async def go() -> dict[str, list[EngineOutput]]:
+        channels = OutputChannels()
+        rids = [f"r{i}" for i in range(5)]
+        streams = {rid: channels.stream(rid, lambda: None, lambda: None) for rid in rids}
+        firsts = {rid: asyncio.ensure_future(anext(stream)) for rid, stream in streams.items()}
+        await asyncio.sleep(0)  # every iterator has opened its channel and waits
+        outputs = [EngineOutput(request_id=rid, index=0, new_token_ids=[7]) for rid in rids]
+        channels.deliver(StepOutputs(outputs=outputs, finished=rids))
+        assert channels.batches_delivered == 1
+        got = {rid: [await first] for rid, first in firsts.items()}
+        for rid, stream in streams.items():
+            got[rid] += [o async for o in stream]
+        return got
+
+    got = asyncio.run(go())
+    assert {rid: [o.new_token_ids for o in outs] for rid, outs in got.items()} == {f"r{i}": [[7]] for i in range(5)}
