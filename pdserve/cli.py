@@ -9,12 +9,15 @@ import argparse
 import logging
 import sys
 
-from pdserve.bench.engine import add_engine_args
-from pdserve.bench.frontend import add_frontend_args
 from pdserve.serve.cli import add_server_commands, run_server_command
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Imported here, not at the top: spawned frontend processes re-import this module as their
+    # __main__, and the bench modules (httpx clients, workloads) would only slow their start.
+    from pdserve.bench.engine import add_engine_args
+    from pdserve.bench.frontend import add_frontend_args
+
     parser = argparse.ArgumentParser(prog="pdserve", description="P/D generate server with inline text/derender output")
     sub = parser.add_subparsers(dest="command", required=True)
     add_server_commands(sub)

@@ -6,7 +6,7 @@ import re
 
 import httpx
 
-from pdserve.bench.loadgen import ServerProcess as _Launcher
+from pdserve.bench.servers import ServerProcess as _Launcher
 
 
 class ServerProcess(_Launcher):

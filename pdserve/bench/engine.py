@@ -18,8 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.frontend import machine
-from pdserve.bench.report import write_section
+from pdserve.bench.report import machine, write_section
 from pdserve.checkpoints.resolve import resolve_model
 from pdserve.engine.api import Engine
 from pdserve.engine.core import start_engine_core

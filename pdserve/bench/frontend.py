@@ -6,7 +6,8 @@ the client streams ``tokens`` and POSTs every SSE chunk to a stateless derender
 server that replays the output so far on each call. This module is the command
 line; the jobs live next to it:
 
-* :mod:`pdserve.bench.loadgen`: server processes and their CPU, the workload, the five client arms;
+* :mod:`pdserve.bench.servers`: server processes and their CPU; :mod:`pdserve.bench.workload`: the scripts;
+* :mod:`pdserve.bench.loadgen`: the five client arms;
 * :mod:`pdserve.bench.verify`: every output checked against its script and the other arms;
 * :mod:`pdserve.bench.orchestrate`: both servers, warm-up, rounds → cells → arms;
 * :mod:`pdserve.bench.writeup`: ratios, tables, prose and JSON from one run's numbers;
@@ -21,15 +22,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdserve.bench.loadgen import Arm, BenchError
+from pdserve.bench.loadgen import Arm
 from pdserve.bench.orchestrate import DEFAULT_PROFILE, QUICK_PROFILE, Profile, run
-from pdserve.bench.report import machine, write_section
+from pdserve.bench.report import write_section
+from pdserve.bench.servers import BenchError
 from pdserve.bench.writeup import command_line, docs_section, pair_ratios, result_json
 
 SECTION_HEADING = "## Inline vs per-chunk derender (pdserve bench frontend)"
 DEFAULT_DOCS = Path("docs/benchmarks.md")
-# bench/engine.py still imports machine from here; once it imports it from bench.report this goes.
-__all__ = ["add_frontend_args", "machine", "main", "run_frontend_bench"]
 
 
 def _int_list(value: str) -> tuple[int, ...]:

@@ -20,20 +20,11 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.bench.loadgen import (
-    Arm,
-    ArmClient,
-    BenchError,
-    Job,
-    Script,
-    ServerProcess,
-    build_scripts,
-    chat_request,
-    rendered_jobs,
-    start_all,
-)
+from pdserve.bench.loadgen import Arm, ArmClient, Job, rendered_jobs
 from pdserve.bench.report import ArmSummary, ArmTotals, request_latency
+from pdserve.bench.servers import BenchError, ServerProcess, start_all
 from pdserve.bench.verify import Verifier
+from pdserve.bench.workload import Script, build_scripts, chat_request
 from pdserve.text.tokenizer import Tokenizer
 
 PARSER_FLAGS = ("--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice")

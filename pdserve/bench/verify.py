@@ -10,7 +10,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve.bench.loadgen import Arm, BenchError, RequestRecord, Script, assemble_message
+from pdserve.bench.loadgen import Arm, RequestRecord, assemble_message
+from pdserve.bench.servers import BenchError
+from pdserve.bench.workload import Script
 from pdserve.text.tokenizer import Tokenizer
 
 

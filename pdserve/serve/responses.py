@@ -15,9 +15,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from pdserve.engine.api import EngineError
-from pdserve.serve.driver import drive
 from pdserve.output.request_state import ChoiceUpdate, RequestState
 from pdserve.protocol.engine import EngineRequest
+from pdserve.serve.driver import drive
 from pdserve.serve.http import error_body
 from pdserve.serve.sse import DONE, sse_event
 from pdserve.serve.state import AppState

@@ -33,6 +33,7 @@ from pdserve.engine.factory import build_engine
 from pdserve.engine.spec import TokenScript
 from pdserve.parsers import ParserConfig
 from pdserve.serve.app import create_app
+from pdserve.serve.banner import ready_banner
 from pdserve.serve.config import ServerConfig
 from pdserve.text.tokenizer import Tokenizer
 
@@ -130,11 +131,27 @@ def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
+class _AnnouncingServer(uvicorn.Server):
+    """uvicorn that prints the ready banner once it accepts connections (after the app's startup)."""
+
+    def __init__(self, config: uvicorn.Config, announce: Callable[[], str] | None) -> None:
+        super().__init__(config)
+        self._announce = announce
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self._announce is not None and not self.should_exit:
+            print(self._announce(), file=sys.stderr, flush=True)
+
+
 def _serve_app(config: ServerConfig, engine: Engine | None, tokenizer: Tokenizer | None, parsers: ParserConfig | None,
-               sock: socket.socket) -> None:
+               sock: socket.socket, announce: bool = True) -> None:
     app = create_app(config, engine, tokenizer, parser_config=parsers)
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level=config.log_level, loop="uvloop", http="httptools", timeout_graceful_shutdown=5)
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    server = _AnnouncingServer(
+        uvicorn.Config(app, log_level=config.log_level, loop="uvloop", http="httptools", timeout_graceful_shutdown=5),
+        (lambda: ready_banner(app.state.pdserve, url)) if announce else None,
     )
     server.run(sockets=[sock])
 
@@ -149,7 +166,8 @@ def _frontend_main(config: ServerConfig, index: int) -> None:
     parsers = load_parser_config(config, tokenizer)
     assert config.engine_core_addresses is not None
     engine = EngineCoreClient(EngineCoreAddresses(**config.engine_core_addresses))
-    _serve_app(config, engine, tokenizer, parsers, _bind(config.host, config.port, reuse_port=True))
+    sock = _bind(config.host, config.port, reuse_port=True)
+    _serve_app(config, engine, tokenizer, parsers, sock, announce=index == 0)
 
 
 def run_server(config: ServerConfig) -> int:

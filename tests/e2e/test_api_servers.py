@@ -24,6 +24,19 @@ def health(srv: ServerProcess) -> httpx.Response:
         return client.get(srv.url + "/health", timeout=5)
 
 
+def wait_for_both_frontends(srv: ServerProcess, status: int, what: str) -> None:
+    """Poll /health on fresh connections until both frontend pids have answered with ``status``."""
+    seen: set[str] = set()
+
+    def both() -> bool:
+        r = health(srv)
+        if r.status_code == status:
+            seen.add(r.headers["x-pdserve-pid"])
+        return len(seen) == 2
+
+    wait_until(both, lambda: f"{what} (seen {seen})")
+
+
 @contextlib.contextmanager
 def one_connection_per_frontend(srv: ServerProcess) -> Iterator[dict[str, httpx.Client]]:
     """An open keep-alive connection to each of the two frontend processes, by pid.
@@ -99,6 +112,9 @@ def test_abort_through_the_other_frontend(two_frontends) -> None:  # type: ignor
 def test_core_death_gives_clean_errors(two_frontends) -> None:  # type: ignore[no-untyped-def]
     srv = two_frontends
     core_pid = int(health(srv).headers["x-pdserve-core-pid"])
+    # /health answers once the first frontend is up; the core must not die before the second has
+    # connected to it (a frontend that cannot reach the core at start exits, and takes the server down).
+    wait_for_both_frontends(srv, 200, "both frontends answer /health")
     body = {"token_ids": PROMPT, "output_mode": "text", "stream": True,
             "sampling_params": {"max_tokens": 5000, "ignore_eos": True}}
     events: list[str] = []
@@ -121,15 +137,7 @@ def test_core_death_gives_clean_errors(two_frontends) -> None:  # type: ignore[n
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2][6:])
     assert "error" in error and "engine" in error["error"]["message"]
-    seen_unhealthy: set[str] = set()
-
-    def both_unhealthy() -> bool:
-        r = health(srv)
-        if r.status_code == 503:
-            seen_unhealthy.add(r.headers["x-pdserve-pid"])
-        return len(seen_unhealthy) == 2
-
-    wait_until(both_unhealthy, lambda: f"both frontends report the dead engine (seen {seen_unhealthy})")
+    wait_for_both_frontends(srv, 503, "both frontends report the dead engine")
     with httpx.Client() as client:
         r = client.post(srv.url + "/inference/v1/generate",
                         json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}, timeout=10)

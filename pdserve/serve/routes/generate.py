@@ -7,13 +7,13 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import APIRouter, BackgroundTasks, Request
 from fastapi.responses import Response
 
-from pdserve.serve.driver import drive
 from pdserve.output.generate_builders import batch_response, stream_chunk
 from pdserve.output.policy import usage_chunk, usage_of
 from pdserve.output.request_state import RequestState
 from pdserve.protocol.engine import EngineRequest
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import AbortRequest, GenerateRequest, GenerateResponseBase
+from pdserve.serve.driver import drive
 from pdserve.serve.http import parse_body
 from pdserve.serve.requests import prepare
 from pdserve.serve.responses import respond_batch, respond_stream

@@ -18,23 +18,19 @@ import pytest
 
 from pdserve.bench import frontend, orchestrate, report
 from pdserve.bench.frontend import SECTION_HEADING, add_frontend_args, resolve_profile, run_frontend_bench
-from pdserve.bench.loadgen import (
+from pdserve.bench.loadgen import Arm, Job, RequestRecord, assemble_message, generate_body
+from pdserve.bench.orchestrate import Profile, RunResult
+from pdserve.bench.report import markdown_table, percentile, replace_section, request_latency
+from pdserve.bench.servers import (
     CLOCK_TICKS,
-    Arm,
     BenchError,
-    Job,
-    RequestRecord,
     ServerProcess,
-    assemble_message,
-    build_scripts,
-    generate_body,
     process_tree_cpu_seconds,
     start_all,
     stat_fields,
 )
-from pdserve.bench.orchestrate import Profile, RunResult
-from pdserve.bench.report import markdown_table, percentile, replace_section, request_latency
 from pdserve.bench.verify import Verifier
+from pdserve.bench.workload import build_scripts
 from pdserve.bench.writeup import METHODOLOGY_LINK, docs_section
 from pdserve.text.tokenizer import Tokenizer
 

@@ -1,0 +1,59 @@
+"""The line a server prints once it accepts connections: where it listens and what it serves.
+
+Operators read it the way they read ``vllm serve``'s startup lines: the URL, the model and its
+limits, the engine (and its threads), the tokenizer, the parsers and the routes this role serves.
+"""
+
+from __future__ import annotations
+
+from pdserve.engine.core_client import EngineCoreClient
+from pdserve.serve.state import AppState
+
+
+def _engine_line(state: AppState) -> str:
+    engine = state.engine
+    if engine is None:
+        return "none (render/derender only)"
+    info = engine.info
+    kind = state.config.engine.kind if state.config.engine is not None else "?"
+    where = f"engine-core process {engine.core_pid}" if isinstance(engine, EngineCoreClient) else "in-process"
+    threads = f", {info.intra_op_threads} intra-op threads" if info.intra_op_threads else ""
+    invariant = ", batch-invariant" if state.config.engine is not None and state.config.engine.batch_invariant else ""
+    return (f"{kind} ({where}{threads}{invariant}); max_model_len {info.max_model_len}, "
+            f"max_num_seqs {info.max_num_seqs}")
+
+
+def _parsers_line(state: AppState) -> str:
+    parsers = state.parser_config
+    if parsers is None or not parsers.configured:
+        return "none"
+    tools = parsers.tool_call_parser or "none"
+    if parsers.tool_call_parser and not parsers.enable_auto_tool_choice:
+        tools += " (inactive without --enable-auto-tool-choice)"
+    return f"reasoning {parsers.reasoning_parser or 'none'}, tools {tools}"
+
+
+def _routes_line(state: AppState) -> str:
+    routes = []
+    if state.engine is not None:
+        routes.append("/inference/v1/generate (tokens" + (", text, derender)" if state.tokenizer else " only)"))
+        routes.append("/inference/v1/abort_requests")
+    if state.tokenizer is not None:
+        routes.append("/v1/{chat/,}completions/render, /v1/{chat/,}completions/derender")
+        if state.engine is not None:
+            routes.append("/v1/chat/completions, /v1/completions")
+    return ", ".join([*routes, "/v1/models", "/health", "/metrics"])
+
+
+def ready_banner(state: AppState, url: str) -> str:
+    """Several lines, one fact each (printed to stderr when the server is ready)."""
+    tokenizer = state.tokenizer.name if state.tokenizer is not None else "none (--tokens-only)"
+    servers = state.config.api_server_count
+    return "\n".join([
+        f"pdserve ready on {url}" + (f" ({servers} API server processes)" if servers > 1 else ""),
+        f"  model      {state.model_name}",
+        f"  engine     {_engine_line(state)}",
+        f"  tokenizer  {tokenizer}",
+        f"  parsers    {_parsers_line(state)}",
+        f"  routes     {_routes_line(state)}",
+    ])
