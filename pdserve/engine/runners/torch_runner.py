@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from pdserve.checkpoints.model_dir import model_eos_ids
 from pdserve.checkpoints.resolve import model_display_name, resolve_model
 from pdserve.engine.api import EngineDeadError, EngineError
 from pdserve.engine.channels import OutputChannels
@@ -57,19 +58,8 @@ class ModelFacts:
 
 def read_model_facts(model_dir: Path) -> ModelFacts:
     """Vocab size, context and EOS ids from config.json + generation_config.json (primary EOS first)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    cfg = model_config(config)
-    gen_path = model_dir / "generation_config.json"
-    generation = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-
-    def ids(value: Any) -> list[int]:
-        return [] if value is None else [int(v) for v in (value if isinstance(value, list) else [value])]
-
-    eos: list[int] = []
-    for candidate in ids(config.get("eos_token_id")) + ids(generation.get("eos_token_id")):
-        if candidate not in eos:
-            eos.append(candidate)
-    return ModelFacts(model_dir, cfg.vocab_size, cfg.max_position_embeddings, eos)
+    cfg = model_config(json.loads((model_dir / "config.json").read_text()))
+    return ModelFacts(model_dir, cfg.vocab_size, cfg.max_position_embeddings, model_eos_ids(model_dir))
 
 
 @dataclass

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from pdserve.checkpoints.resolve import resolve_model
 from pdserve.engine.runners.torch_runner import read_model_facts
-from pdserve.text.tokenizer import Tokenizer, resolve_tokenizer_dir
+from pdserve.text.tokenizer import Tokenizer
+from tests.modeldirs import qwen3_model_dir
 
 
 def test_tokenizer_alone_has_its_own_eos() -> None:
@@ -19,10 +18,7 @@ def test_tokenizer_alone_has_its_own_eos() -> None:
 
 
 def test_generation_config_adds_every_eos_id(tmp_path: Path) -> None:
-    for f in resolve_tokenizer_dir("qwen3").iterdir():
-        shutil.copy(f, tmp_path / f.name)
-    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 151645}))
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151643, 151645, 7]}))
+    qwen3_model_dir(tmp_path, config={"eos_token_id": 151645}, generation_config={"eos_token_id": [151643, 151645, 7]})
     assert Tokenizer.load(str(tmp_path)).eos_token_ids == (151645, 151643, 7)
 
 
