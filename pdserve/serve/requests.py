@@ -103,7 +103,7 @@ def output_config(state: AppState, req: GenerateRequest, completions_cut: bool =
         # The engine's EOS ids, so a stop on EOS is told from any other "stop" the same way derender does.
         stop=StopConfig(
             tuple(sp.stop), sp.include_stop_str_in_output, sp.min_tokens, frozenset(sp.stop_token_ids),
-            tuple(state.require_engine().info.eos_token_ids), sp.ignore_eos,
+            _eos_token_ids(state), sp.ignore_eos,
         ),
         want_logprobs=sp.logprobs is not None,
         top_logprobs_limit=top_limit,
