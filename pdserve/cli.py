@@ -16,7 +16,12 @@ def build_parser() -> argparse.ArgumentParser:
     # Imported here, not at the top: spawned frontend processes re-import this module as their
     # __main__, and the bench modules (httpx clients, workloads) would only slow their start.
     from pdserve.bench.engine import add_engine_args
-    from pdserve.bench.frontend import add_frontend_args
+    from pdserve.bench.scenarios import add_scenarios_args
+    from pdserve.bench.serve_bench import add_serve_args
+    from pdserve.conformance.runner import add_conformance_args
+    from pdserve.proxy.cli import add_proxy_args
+    from pdserve.schema import add_schema_args
+    from pdserve.topology.cli import add_up_args
 
     parser = argparse.ArgumentParser(prog="pdserve", description="P/D generate server with inline text/derender output")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -24,24 +29,53 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks; numbers go to docs/benchmarks.md")
     benches = bench.add_subparsers(dest="bench", required=True)
     add_engine_args(benches.add_parser("engine", help="torch engine decode tok/s (batch 1, 8) and TTFT"))
-    add_frontend_args(benches.add_parser("frontend", help="inline text/derender vs per-chunk /derender"))
+    add_serve_args(benches.add_parser("serve", help="streaming load generator (vllm bench serve's flags)"))
+    add_scenarios_args(benches.add_parser("scenarios", help="every scenario side by side; rewrites docs/benchmarks.md"))
+    add_conformance_args(sub.add_parser("conformance", help="check a server against the generate protocol's wire rules"))
+    add_schema_args(sub.add_parser("schema", help="write JSON Schema for every wire type"))
+    add_proxy_args(sub.add_parser("proxy", help="OpenAI front of a P/D topology: render, prefill leg, decode leg"))
+    add_up_args(sub.add_parser("up", help="a local P/D topology: render, prefill and decode servers, the proxy "
+                               "(unknown flags go to the prefill and decode servers)"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "up":  # only `up` passes unknown flags on (to its servers)
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=getattr(args, "log_level", "warning").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if args.command in ("serve", "launch"):
         return run_server_command(args)
+    if args.command == "conformance":
+        from pdserve.conformance.runner import run_conformance
+
+        return run_conformance(args)
+    if args.command == "schema":
+        from pdserve.schema import run_schema
+
+        return run_schema(args)
+    if args.command == "proxy":
+        from pdserve.proxy.cli import run_proxy
+
+        return run_proxy(args)
+    if args.command == "up":
+        from pdserve.topology.cli import run_up
+
+        return run_up(args, extra)
     if args.bench == "engine":
         from pdserve.bench.engine import run_engine_bench_cli
 
         return run_engine_bench_cli(args)
-    from pdserve.bench.frontend import run_frontend_bench
+    if args.bench == "serve":
+        from pdserve.bench.serve_bench import run_serve_bench
 
-    return run_frontend_bench(args)
+        return run_serve_bench(args, (argv if argv is not None else sys.argv[1:])[2:])
+    from pdserve.bench.scenarios import run_scenarios
+
+    return run_scenarios(args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""Numbers → tables: percentiles, per-arm latency/CPU summaries, markdown, the host line, and the docs section swap.
+"""Numbers → text: percentiles, table cells, markdown tables, the host line, and the docs section swap.
 
-Kept free of HTTP and processes so the arithmetic that ends up in
-``docs/benchmarks.md`` can be unit-tested on hand-made inputs.
+Kept free of HTTP and processes so what ends up in ``docs/benchmarks.md`` can be unit-tested on
+hand-made inputs.
 """
 
 from __future__ import annotations
@@ -10,10 +10,7 @@ import math
 import os
 import platform
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-
-QUANTILES = (50, 90, 99)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -30,89 +27,6 @@ def percentile(values: Sequence[float], q: float) -> float:
     low = math.floor(rank)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def quantiles(values: Sequence[float]) -> dict[str, float]:
-    return {f"p{q}": percentile(values, q) for q in QUANTILES}
-
-
-@dataclass(frozen=True)
-class Latency:
-    """One request's client-side latencies in seconds; ``itl`` has one entry per token after the first."""
-
-    ttft: float
-    itl: list[float]
-    tpot: float
-    e2e: float
-
-
-def request_latency(start: float, arrivals: Sequence[tuple[float, int]], end: float) -> Latency:
-    """Latencies from token arrivals ``(time, ids made usable)``, counted by token ids, not text.
-
-    A chunk that releases k ids at once (text held back by a parser or the stop-string
-    window) contributes its gap once and k-1 zero gaps, so ITL samples sum to the time
-    between the first and the last token whatever the chunking.
-    """
-    timed = [(t, n) for t, n in arrivals if n > 0]
-    if not timed:
-        raise ValueError("a request without any token arrival has no latency")
-    first = timed[0][0]
-    itl = [0.0] * (timed[0][1] - 1)
-    previous = first
-    for t, n in timed[1:]:
-        itl.append(t - previous)
-        itl.extend([0.0] * (n - 1))
-        previous = t
-    tokens = sum(n for _, n in timed)
-    tpot = (previous - first) / (tokens - 1) if tokens > 1 else 0.0
-    return Latency(ttft=first - start, itl=itl, tpot=tpot, e2e=end - start)
-
-
-@dataclass(frozen=True)
-class ArmSummary:
-    """One arm in one cell as reported: latencies in seconds (p50/p90/p99), CPU in µs per output token."""
-
-    requests: int
-    output_tokens: int
-    ttft: dict[str, float]
-    itl: dict[str, float]
-    tpot: dict[str, float]
-    e2e: dict[str, float]
-    cpu_generate: float
-    cpu_derender: float
-    cpu_client: float
-
-    @property
-    def cpu_servers(self) -> float:
-        """Both servers together: what a deployment pays for this path, client aside."""
-        return self.cpu_generate + self.cpu_derender
-
-
-@dataclass
-class ArmTotals:
-    """What one arm accumulated in one cell over all its rounds."""
-
-    latencies: list[Latency] = field(default_factory=list)
-    output_tokens: int = 0
-    cpu_generate_s: float = 0.0
-    cpu_derender_s: float = 0.0
-    cpu_client_s: float = 0.0
-
-    def _per_token_us(self, seconds: float) -> float:
-        return seconds / self.output_tokens * 1e6 if self.output_tokens else math.nan
-
-    def summary(self) -> ArmSummary:
-        return ArmSummary(
-            requests=len(self.latencies),
-            output_tokens=self.output_tokens,
-            ttft=quantiles([x.ttft for x in self.latencies]),
-            itl=quantiles([gap for x in self.latencies for gap in x.itl]),
-            tpot=quantiles([x.tpot for x in self.latencies]),
-            e2e=quantiles([x.e2e for x in self.latencies]),
-            cpu_generate=self._per_token_us(self.cpu_generate_s),
-            cpu_derender=self._per_token_us(self.cpu_derender_s),
-            cpu_client=self._per_token_us(self.cpu_client_s),
-        )
 
 
 def ratio(numerator: float, denominator: float) -> float:

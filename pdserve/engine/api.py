@@ -21,6 +21,11 @@ class EngineDeadError(EngineError):
     """The engine (or its core process) is gone; the server is unhealthy."""
 
 
+class KVLoadError(EngineError):
+    """A decode leg's KV could not be pulled from its prefill engine (``--kv-load-failure-policy fail``):
+    the peer is gone, its lease expired, or the transfer failed. Answered as a 502."""
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What every engine (scripted, torch in-process, engine-core client) offers the frontend."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from pdserve.engine.api import EngineDeadError, EngineError
-from pdserve.engine.messages import StepOutputs
+from pdserve.engine.api import EngineDeadError, EngineError, KVLoadError
+from pdserve.engine.messages import KV_LOAD_FAILED, RequestFailed, StepOutputs
 from pdserve.protocol.engine import EngineOutput
 
 
@@ -21,6 +21,15 @@ class _StreamEnd:
 
 
 _END = _StreamEnd()
+
+
+def failure_error(failure: RequestFailed) -> EngineError:
+    """The exception a request's consumer sees for a failure the step loop reported."""
+    if failure.dead:
+        return EngineDeadError(failure.message)
+    if failure.kind == KV_LOAD_FAILED:
+        return KVLoadError(failure.message)
+    return EngineError(failure.message)
 
 
 class OutputChannels:
@@ -36,8 +45,7 @@ class OutputChannels:
         for request_id in batch.finished:
             self._put(request_id, _END)
         for failure in batch.failed:
-            error = EngineDeadError if failure.dead else EngineError
-            self._put(failure.request_id, error(failure.message))
+            self._put(failure.request_id, failure_error(failure))
 
     def fail_all(self, error: EngineError) -> None:
         for queue in self._queues.values():

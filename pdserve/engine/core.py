@@ -198,6 +198,7 @@ class CoreServer:
     def turn(self, wait_s: float) -> None:
         """One turn: drain the inbox (waiting up to ``wait_s`` for its first message), step, send."""
         self.receive(wait_s)
+        self.core.poll()
         if self.core.has_work() and time.monotonic() - self._last_step >= self.core.pace_s:
             self._last_step = time.monotonic()
             self.core.step()

@@ -40,8 +40,10 @@ from pdserve.engine.messages import (
 from pdserve.protocol.engine import EngineInfo, EngineOutput, EngineRequest, EngineStats
 
 # A client gives up on a core that has been silent this long (the pid check is faster
-# when the core runs on the same host, which is always the case today).
-HEARTBEAT_TIMEOUT_S = 10.0
+# when the core runs on the same host, which is always the case today). The core beats
+# between steps only, so this must exceed the longest step: a whole 8k-token prefill on a
+# loaded 2-core machine took over 10 s (and a 10 s bound declared a healthy core dead for good).
+HEARTBEAT_TIMEOUT_S = 120.0
 # How often a client checks the core's pid.
 LIVENESS_POLL_S = 0.2
 

@@ -22,6 +22,10 @@ def build_engine(spec: EngineSpec) -> Engine:
         from pdserve.engine.runners.torch_runner import TorchEngine
 
         return TorchEngine.from_spec(spec)
+    if spec.kind == "vllm":
+        from pdserve.engine.runners.vllm_runner import VllmEngine
+
+        return VllmEngine.from_spec(spec)
     raise _unknown(spec)
 
 
@@ -39,4 +43,4 @@ def build_core(spec: EngineSpec) -> StepCore:
 
 
 def _unknown(spec: EngineSpec) -> ValueError:
-    return ValueError(f"unknown engine kind {spec.kind!r}; choose 'scripted' or 'torch'")
+    return ValueError(f"unknown engine kind {spec.kind!r}; choose 'scripted', 'torch' or 'vllm' (in process only)")

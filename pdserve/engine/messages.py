@@ -49,12 +49,17 @@ ClientMessage = Hello | AddRequest | AbortRequests | StopSequence | Goodbye
 # -- step outcomes (step loop -> client) ------------------------------------------------
 
 
+# RequestFailed.kind of a decode leg whose KV could not be pulled (--kv-load-failure-policy fail).
+KV_LOAD_FAILED = "kv_load"
+
+
 class RequestFailed(msgspec.Struct):
-    """A request ended with an error (``dead``: the engine itself is gone)."""
+    """A request ended with an error (``dead``: the engine itself is gone; ``kind`` tells the cause)."""
 
     request_id: str
     message: str
     dead: bool = False
+    kind: str = ""
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):

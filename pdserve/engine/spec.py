@@ -17,10 +17,26 @@ class TokenScript(msgspec.Struct, frozen=True):
     fail_after: int | None = None
 
 
+KV_FAILURE_POLICIES = ("fail", "recompute")
+
+
+class KVTransferSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """KV hand-off between engines (``--kv-transfer nixl``): this engine's identity and policies."""
+
+    engine_id: str  # unique per engine start: names its NIXL agent and its leases
+    host: str  # where decode engines fetch this engine's /kv/metadata (its server's HTTP address)
+    port: int
+    lease_s: float = 30.0  # how long exported KV waits for its pull
+    failure_policy: str = "fail"  # a failed pull: "fail" the request, or "recompute" the prompt here
+    pool_tokens: int | None = None  # block pool size in token positions (None: max_num_seqs * max_model_len)
+    block_size: int = 16
+    api_key: str | None = None  # sent to peers' /kv/metadata (pools of one fleet share a key)
+
+
 class EngineSpec(msgspec.Struct, kw_only=True):
     """Engine kind, model and limits (the fields the runners' ``from_spec`` read)."""
 
-    kind: str  # "scripted" | "torch"
+    kind: str  # "scripted" | "torch" | "vllm" (vLLM's AsyncLLM, in the server process)
     model: str | None = None
     scripts: list[TokenScript] = msgspec.field(default_factory=list)  # scripted: what to replay
     vocab_size: int | None = None  # scripted: the vocabulary its ids come from
@@ -32,3 +48,4 @@ class EngineSpec(msgspec.Struct, kw_only=True):
     dtype: str = "bfloat16"
     seed: int = 0
     batch_invariant: bool = False  # torch: fixed-shape matmuls (see docs/engine.md)
+    kv_transfer: KVTransferSpec | None = None  # torch: hand prompts' KV to / from other engines

@@ -1,7 +1,8 @@
 """The step-loop contract both drivers run: the engine core process and the in-process thread.
 
 A :class:`StepCore` owns all request state and is only ever touched by one thread. Its driver
-drains its inbox (:func:`apply` per command), calls ``step()`` while there is work, and sends
+drains its inbox (:func:`apply` per command), calls ``poll()`` every turn and ``step()`` while
+there is work, and sends
 what :meth:`StepCore.take_outputs` returns as one :class:`~pdserve.engine.messages.StepOutputs`.
 """
 
@@ -27,6 +28,9 @@ class StepCore(Protocol):
     def stop_sequence(self, request_id: str, index: int) -> None: ...
 
     def has_work(self) -> bool: ...
+
+    def poll(self) -> None:
+        """Housekeeping between steps (KV leases, notifications); cheap, called every turn, idle or not."""
 
     def step(self) -> None:
         """Advance every running request by one step."""

@@ -177,7 +177,7 @@ def advance(
         raise RequestError("invalid stream_state: this choice already finished")
     state = next_state(previous, delta_ids, parsed)
     _pin_tool_call_ids(update, state)
-    if update.delta is not None and not previous.role_sent:
+    if not previous.role_sent:  # even when the parser held this chunk's text back (vLLM names the role first)
         update.delta = assistant_delta(update.delta)
     update.token_ids = list(delta_ids)
     update.decoded_logprobs = None

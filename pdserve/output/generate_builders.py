@@ -82,8 +82,9 @@ def batch_response(state: RequestState, base: dict[str, Any]) -> GenerateRespons
     return GenerateDerenderResponse(choices=derender_choices, **common)
 
 
-def stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageInfo | None, first_for_choice: bool) -> dict:
-    """One SSE event (one choice) as a JSON-ready dict."""
+def stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageInfo | None, first_for_choice: bool,
+                 metrics: dict[str, Any] | None = None) -> dict:
+    """One SSE event (one choice) as a JSON-ready dict; ``metrics`` rides on the request's last chunk."""
     cfg = state.config
     fields: dict[str, Any] = dict(
         index=update.index,
@@ -96,7 +97,8 @@ def stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageInfo | N
         if cfg.want_logprobs and update.logprobs is not None:
             logprobs = GenerateLogProbs(content=to_generate_logprobs(update.logprobs, update.token_ids))
         chunk: Any = GenerateTokensStreamResponse(
-            request_id=state.request_id, usage=usage, choices=[GenerateTokensStreamChoice(logprobs=logprobs, **fields)]
+            request_id=state.request_id, usage=usage, metrics=metrics,
+            choices=[GenerateTokensStreamChoice(logprobs=logprobs, **fields)],
         )
     elif cfg.mode == "text":
         logprobs_text = None
@@ -105,6 +107,7 @@ def stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageInfo | N
         chunk = GenerateTextStreamResponse(
             request_id=state.request_id,
             usage=usage,
+            metrics=metrics,
             choices=[GenerateTextStreamChoice(text=update.text, logprobs=logprobs_text, **fields)],
         )
     else:
@@ -118,6 +121,9 @@ def stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageInfo | N
         chunk = GenerateDerenderStreamResponse(
             request_id=state.request_id,
             usage=usage,
+            metrics=metrics,
             choices=[GenerateDerenderStreamChoice(delta=delta, logprobs=logprobs_chat, **fields)],
         )
-    return chunk.model_dump(mode="json", exclude={"prompt_token_ids"} if chunk.prompt_token_ids is None else set())
+    # vLLM omits these optional keys when null.
+    omitted = {name for name in ("prompt_token_ids", "metrics") if getattr(chunk, name) is None}
+    return chunk.model_dump(mode="json", exclude=omitted)

@@ -7,6 +7,7 @@ endpoints (one request state) and stateless derender (choices replayed one by on
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from pdserve.output.policy import assistant_delta
 from pdserve.output.request_state import ChoiceState, ChoiceUpdate
@@ -29,7 +30,7 @@ from pdserve.text.logprobs import completion_logprobs
 def chat_response(
     choices: Sequence[ChoiceState], response_id: str, model: str, usage: UsageInfo, return_token_ids: bool, *,
     prompt_token_ids: Sequence[int] | None = None, kv_transfer_params: dict | None = None,
-    echoed_token_ids: Sequence[Sequence[int] | None] | None = None,
+    echoed_token_ids: Sequence[Sequence[int] | None] | None = None, metrics: dict[str, Any] | None = None,
 ) -> ChatCompletionResponse:
     """The batch chat response. ``echoed_token_ids``: per choice, the ids to return instead of
     the choice's own (stateless derender returns the ids the client sent)."""
@@ -57,6 +58,7 @@ def chat_response(
         usage=usage,
         prompt_token_ids=list(prompt_token_ids) if return_token_ids and prompt_token_ids is not None else None,
         kv_transfer_params=kv_transfer_params,
+        metrics=metrics,
     )
 
 
@@ -69,6 +71,7 @@ def chat_role_chunk(response_id: str, model: str, index: int) -> dict:
 def chat_chunk(
     choice_state: ChoiceState, update: ChoiceUpdate, response_id: str, model: str, return_token_ids: bool,
     usage: UsageInfo | None, logprobs: list[ChatCompletionLogProbsContent] | None = None,
+    metrics: dict[str, Any] | None = None,
 ) -> dict:
     """One chat chunk. ``logprobs``: entries the caller decoded itself (stateless derender decodes
     a chunk's own ids); by default the update's, when the request asked for logprobs."""
@@ -83,13 +86,14 @@ def chat_chunk(
         stop_reason=update.stop_reason,
         token_ids=update.token_ids if return_token_ids and not hide else None,
     )
-    return ChatCompletionStreamResponse(id=response_id, model=model, choices=[choice], usage=usage).model_dump(
-        mode="json"
-    )
+    return ChatCompletionStreamResponse(
+        id=response_id, model=model, choices=[choice], usage=usage, metrics=metrics
+    ).model_dump(mode="json")
 
 
 def completion_response(
-    groups: Sequence[Sequence[ChoiceState]], response_id: str, model: str, usage: UsageInfo, return_token_ids: bool
+    groups: Sequence[Sequence[ChoiceState]], response_id: str, model: str, usage: UsageInfo, return_token_ids: bool,
+    metrics: dict[str, Any] | None = None,
 ) -> CompletionResponse:
     """Choices of every prompt (one group per prompt), renumbered 0..N-1."""
     choices = []
@@ -108,12 +112,12 @@ def completion_response(
                     prompt_token_ids=list(c.config.prompt_token_ids) if return_token_ids else None,
                 )
             )
-    return CompletionResponse(id=response_id, model=model, choices=choices, usage=usage)
+    return CompletionResponse(id=response_id, model=model, choices=choices, usage=usage, metrics=metrics)
 
 
 def completion_chunk(
     update: ChoiceUpdate, index: int, text_offset: int, response_id: str, model: str, return_token_ids: bool,
-    usage: UsageInfo | None,
+    usage: UsageInfo | None, metrics: dict[str, Any] | None = None,
 ) -> dict:
     logprobs = None
     if update.decoded_logprobs is not None:
@@ -126,4 +130,6 @@ def completion_chunk(
         stop_reason=update.stop_reason,
         token_ids=update.token_ids if return_token_ids else None,
     )
-    return CompletionStreamResponse(id=response_id, model=model, choices=[choice], usage=usage).model_dump(mode="json")
+    return CompletionStreamResponse(
+        id=response_id, model=model, choices=[choice], usage=usage, metrics=metrics
+    ).model_dump(mode="json")

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
+from pdserve.output.timing import RequestTiming
 from pdserve.protocol.engine import EngineOutput, PositionLogprobs
 from pdserve.protocol.generate import OutputMode
 from pdserve.protocol.openai import ChatCompletionLogProbsContent, ChatMessage, DeltaMessage
@@ -188,6 +189,7 @@ class RequestState:
         self.choices = [ChoiceState(i, config) for i in range(n)]
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.kv_transfer_params: dict | None = None
+        self.timing = RequestTiming()  # for --enable-per-request-metrics
 
     @property
     def finished(self) -> bool:
@@ -200,6 +202,7 @@ class RequestState:
             self.prompt_logprobs = out.prompt_logprobs
         if out.kv_transfer_params is not None:
             self.kv_transfer_params = out.kv_transfer_params
+        self.timing.tokens(len(out.new_token_ids))
         return self.choices[out.index].add(out)
 
     def abort_unfinished(self) -> list[ChoiceUpdate]:
@@ -215,3 +218,7 @@ class RequestState:
     @property
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
+
+    def metrics(self) -> dict[str, Any]:
+        """The per-request ``metrics`` object (:mod:`pdserve.output.timing`)."""
+        return self.timing.metrics(self.completion_tokens)

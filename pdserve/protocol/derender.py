@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Discriminator, Field, Tag, TypeAdapter, model_validator
 
 from pdserve.protocol.generate import GenerateTokensResponse, GenerateTokensStreamResponse
+from pdserve.protocol.limits import MAX_PROMPTS, TokenId
 from pdserve.protocol.openai import (
     ChatCompletionRequest,
     ChatCompletionStreamResponse,
@@ -19,17 +20,17 @@ class DerenderChatRequest(BaseModel):
     stream: Literal[False] = False
     model: str | None = None
     generate_response: GenerateTokensResponse
-    prompt_tokens: int | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_tokens: int | None = Field(None, ge=0)
+    prompt_token_ids: list[TokenId] | None = None
     chat_request: ChatCompletionRequest | None = None
 
 
 class DerenderCompletionRequest(BaseModel):
     stream: Literal[False] = False
     model: str | None = None
-    generate_responses: list[GenerateTokensResponse] = Field(min_length=1)
-    prompt_tokens: list[int] | None = None
-    prompt_token_ids: list[list[int] | None] | None = None
+    generate_responses: list[GenerateTokensResponse] = Field(min_length=1, max_length=MAX_PROMPTS)
+    prompt_tokens: list[Annotated[int, Field(ge=0)]] | None = None
+    prompt_token_ids: list[list[TokenId] | None] | None = None
     completion_request: CompletionRequest | None = None
 
 
@@ -46,9 +47,9 @@ class DerenderStreamState(BaseModel):
     """
 
     role_sent: bool = False
-    logprob_context_token_ids: list[int] = Field(default_factory=list, max_length=4)
+    logprob_context_token_ids: list[TokenId] = Field(default_factory=list, max_length=4)
     logprob_text_offset: int = Field(0, ge=0)
-    output_token_ids: list[int] = Field(default_factory=list)
+    output_token_ids: list[TokenId] = Field(default_factory=list)
     output_chunk_lens: list[int] = Field(default_factory=list)
     tools_streamed: bool = False
     last_tool_call_ids: list[str] = Field(default_factory=list)
@@ -72,8 +73,8 @@ class DerenderChatStreamRequest(BaseModel):
     model: str | None = None
     generate_chunk: GenerateTokensStreamResponse
     stream_state: DerenderStreamState | None = None
-    prompt_tokens: int | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_tokens: int | None = Field(None, ge=0)
+    prompt_token_ids: list[TokenId] | None = None
     chat_request: ChatCompletionRequest | None = None
 
 
@@ -82,8 +83,8 @@ class DerenderCompletionStreamRequest(BaseModel):
     model: str | None = None
     generate_chunk: GenerateTokensStreamResponse
     stream_state: DerenderStreamState | None = None
-    prompt_tokens: int | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_tokens: int | None = Field(None, ge=0)
+    prompt_token_ids: list[TokenId] | None = None
     completion_request: CompletionRequest | None = None
 
 

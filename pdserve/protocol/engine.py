@@ -13,6 +13,8 @@ from typing import Any
 
 import msgspec
 
+from pdserve.protocol.kv import NO_KV, KVAgentInfo, KVIntent, KVStats
+
 
 class SequenceSampling(msgspec.Struct, frozen=True, kw_only=True):
     """What the engine needs to sample one request (all of its ``n`` sequences)."""
@@ -78,6 +80,8 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     prompt_token_ids: list[int]
     sampling: SequenceSampling
     kv_transfer_params: dict[str, Any] | None = None
+    # What kv_transfer_params ask of this engine (parsed and checked by the frontend).
+    kv: KVIntent = NO_KV
     priority: int = 0
     # sampling_params.extra_args from the client (engine-specific knobs).
     extra_args: dict[str, Any] | None = None
@@ -126,9 +130,14 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     eos_token_ids: list[int]
     # Threads the model's ops run on (sized from the engine process's CPU affinity); None: no model.
     intra_op_threads: int | None = None
+    # Where other engines pull this engine's KV from (``--kv-transfer``); None: no KV hand-off.
+    kv: KVAgentInfo | None = None
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
     running_requests: int = 0
     waiting_requests: int = 0
     running_sequences: int = 0
+    # Prompt positions the model computed (prefill); a decode leg whose KV was pulled adds none.
+    prompt_tokens_computed: int = 0
+    kv: KVStats | None = None

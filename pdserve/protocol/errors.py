@@ -19,12 +19,15 @@ class ErrorResponse(BaseModel):
 class RequestError(ValueError):
     """A request the server cannot serve as sent; rendered as an HTTP error with this message."""
 
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400, kind: str = "BadRequestError"):
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400, kind: str = "BadRequestError",
+                 close: bool = False):
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
         self.kind = kind
+        # Close the connection after answering: the rest of the request (an oversized body) is not read.
+        self.close = close
 
     def to_response(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.kind, param=self.param, code=self.status))

@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from pdserve.protocol.limits import MAX_ABORT_IDS, CacheSalt, ChoiceIndex, GenerateRequestId, TokenId
 from pdserve.protocol.openai import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -74,7 +75,7 @@ class GenerateRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    request_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    request_id: GenerateRequestId = Field(default_factory=lambda: uuid.uuid4().hex)
     token_ids: list[int] = Field(min_length=1)
     # Char offsets per prompt token (vLLM's render fills them on request); informational only.
     token_offsets: list[tuple[int, int]] | None = None
@@ -90,7 +91,7 @@ class GenerateRequest(BaseModel):
     parse_context: ParseContext | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    cache_salt: CacheSalt | None = None
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
     kv_transfer_params: dict[str, Any] | None = None
     # Encoder-cache transfer (multimodal disaggregation): text only here, so null.
@@ -166,10 +167,10 @@ class PromptLogprob(BaseModel):
 
 
 class GenerateChoiceBase(BaseModel):
-    index: int
+    index: ChoiceIndex
     finish_reason: str | None = "stop"
     stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
+    token_ids: list[TokenId] | None = None
     routed_experts: str | None = None
     sampling_mask: list[list[int]] | None = None
     weight_versions: list[dict[str, Any]] | None = None
@@ -197,7 +198,7 @@ class GenerateResponseBase(BaseModel):
     usage: UsageInfo | None = None
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
     prompt_token_id_logprobs: str | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     mm_placeholders: dict[str, Any] | None = None
     metrics: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
@@ -223,10 +224,10 @@ class GenerateDerenderResponse(GenerateResponseBase):
 
 
 class GenerateStreamChoiceBase(BaseModel):
-    index: int
+    index: ChoiceIndex
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
+    token_ids: list[TokenId] | None = None
     routed_experts: str | None = None
     sampling_mask: list[list[int]] | None = None
     weight_versions: list[dict[str, Any]] | None = None
@@ -249,7 +250,9 @@ class GenerateDerenderStreamChoice(GenerateStreamChoiceBase):
 class GenerateStreamResponseBase(BaseModel):
     request_id: str
     usage: UsageInfo | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[TokenId] | None = None
+    # Per-request timing (--enable-per-request-metrics) on the chunk that finishes the request.
+    metrics: dict[str, Any] | None = None
 
 
 class GenerateTokensStreamResponse(GenerateStreamResponseBase):
@@ -290,4 +293,4 @@ generate_stream_response_adapter: TypeAdapter[Any] = TypeAdapter(GenerateStreamR
 
 
 class AbortRequest(BaseModel):
-    request_ids: list[str]
+    request_ids: list[str] = Field(max_length=MAX_ABORT_IDS)

@@ -12,10 +12,19 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_serializer
 
+from pdserve.protocol.limits import (
+    MAX_DOCUMENTS,
+    MAX_MESSAGES,
+    MAX_PROMPTS,
+    MAX_TOOLS,
+    CacheSalt,
+    RequestId,
+    TokenId,
+)
 from pdserve.protocol.sampling import asks_nothing
 
 
@@ -84,6 +93,50 @@ class DeltaToolCall(BaseModel):
 
 
 # ---------------------------------------------------------------- messages
+
+
+class MessageFunctionCall(OpenAIModel):
+    name: str
+    arguments: str | dict[str, Any]
+
+
+class MessageToolCall(OpenAIModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
+class MessageContentPart(OpenAIModel):
+    type: str
+
+
+class ChatMessageParam(OpenAIModel):
+    """The shape of one input message, checked before any chat template reads it: a template that
+    trips over a wrong type fails with an error naming nothing (``'int object' has no attribute ...``)."""
+
+    role: str
+    content: str | list[MessageContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+
+_message_shape = TypeAdapter(ChatMessageParam)
+
+
+def _checked_message(message: dict[str, Any]) -> dict[str, Any]:
+    try:
+        _message_shape.validate_python(message)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise ValueError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from None
+    return message
+
+
+# An input message: kept as the dict the client sent (templates read any extra key), its shape checked.
+MessageParam = Annotated[dict[str, Any], AfterValidator(_checked_message)]
 
 
 def _drop_empty_tool_calls(data: dict[str, Any]) -> dict[str, Any]:
@@ -233,9 +286,9 @@ class SamplingRequest(OpenAIModel):
 class ChatCompletionRequest(SamplingRequest):
     """The chat request (also the RFC's ``chat_request`` parser context on generate)."""
 
-    messages: list[dict[str, Any]]
+    messages: list[MessageParam] = Field(max_length=MAX_MESSAGES)
     model: str | None = None
-    tools: list[ChatCompletionToolsParam] | None = None
+    tools: list[ChatCompletionToolsParam] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = "none"
     parallel_tool_calls: bool | None = True
     include_reasoning: bool = True
@@ -263,20 +316,30 @@ class ChatCompletionRequest(SamplingRequest):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None
-    request_id: str = Field(default_factory=random_hex)
+    request_id: RequestId = Field(default_factory=random_hex)
     kv_transfer_params: dict[str, Any] | None = None
     # Engine-specific knobs, forwarded as sampling_params.extra_args (vLLM's name).
     vllm_xargs: dict[str, Any] | None = None
     priority: int = 0
-    cache_salt: str | None = None
+    cache_salt: CacheSalt | None = None
     # Passed to the chat template as vLLM does (reasoning_effort also sets enable_thinking).
     reasoning_effort: ReasoningEffort | None = None
-    documents: list[dict[str, str]] | None = None
+    documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)
 
     def model_post_init(self, __context: Any) -> None:
         # A request with tools and no explicit tool_choice means "auto" (OpenAI default).
         if self.tools and "tool_choice" not in self.model_fields_set:
             self.tool_choice = "auto"
+        self._check_tool_choice()
+
+    def _check_tool_choice(self) -> None:
+        """A forced tool call needs a tool to call (vLLM refuses these too)."""
+        names = {t.function.name for t in self.tools or []}
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice='required' needs tools: send the tools the model may call, or "
+                             "tool_choice 'auto' or 'none'")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError("The tool specified in `tool_choice` does not match any of the specified `tools`")
 
     def named_tool(self) -> str | None:
         """The forced tool's name when tool_choice names one."""
@@ -284,7 +347,12 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (
+        str
+        | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+        | list[TokenId]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(max_length=MAX_PROMPTS)]
+    )
     model: str | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -306,11 +374,11 @@ class CompletionRequest(SamplingRequest):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None
-    request_id: str = Field(default_factory=random_hex)
+    request_id: RequestId = Field(default_factory=random_hex)
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     priority: int = 0
-    cache_salt: str | None = None
+    cache_salt: CacheSalt | None = None
 
 
 # ---------------------------------------------------------------- responses
@@ -338,6 +406,7 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None  # --enable-per-request-metrics
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):
@@ -357,6 +426,7 @@ class ChatCompletionStreamResponse(BaseModel):
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None
+    metrics: dict[str, Any] | None = None  # --enable-per-request-metrics
 
 
 class CompletionResponseChoice(BaseModel):
@@ -377,6 +447,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
     kv_transfer_params: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None  # --enable-per-request-metrics
 
 
 class CompletionStreamResponse(BaseModel):
@@ -386,3 +457,4 @@ class CompletionStreamResponse(BaseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
+    metrics: dict[str, Any] | None = None  # --enable-per-request-metrics

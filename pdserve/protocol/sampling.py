@@ -12,10 +12,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-# One request may not fan out into more sequences than this (vLLM's VLLM_MAX_N_SEQUENCES).
-MAX_N = 256
+from pdserve.protocol.limits import (
+    MAX_BAD_WORDS,
+    MAX_N,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    StopString,
+)
+
 # vLLM's VLLM_MAX_NUM_BAD_WORDS: the most banned id sequences one request's bad_words may tokenize into.
 MAX_BAD_WORD_SEQUENCES = 128
 # Below this temperature sampling is greedy; a positive one under MIN_TEMPERATURE is raised to it (vLLM).
@@ -42,6 +58,17 @@ UNSUPPORTED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
 _NORMALIZED_BY_VLLM = ("stop", "stop_token_ids", "bad_words", "skip_reading_prefix_cache")
 
 
+class KnownExtraArgs(BaseModel):
+    """The ``extra_args`` keys pdserve's engines read, with their types (other keys pass through)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    # --engine scripted: replay this script (modulo the number of scripts).
+    script_index: StrictInt | None = None
+    # llm-d sends the P/D hand-off here instead of top level (checked by pdserve.protocol.kv).
+    kv_transfer_params: dict[str, Any] | None = None
+
+
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -56,9 +83,9 @@ class SamplingParams(BaseModel):
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    bad_words: list[str] = Field(default_factory=list)
+    stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    bad_words: list[StopString] = Field(default_factory=list, max_length=MAX_BAD_WORDS)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -143,6 +170,19 @@ class SamplingParams(BaseModel):
     def _bias_ids(cls, value: dict[int, float] | None) -> dict[int, float] | None:
         if value is not None and any(i < 0 for i in value):
             raise ValueError("logit_bias keys must be non-negative token ids")
+        return value
+
+    @field_validator("extra_args")
+    @classmethod
+    def _known_extra_args(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # The engine reads these keys; a wrong type must be refused here, not fail inside the engine.
+        if value is not None:
+            try:
+                KnownExtraArgs.model_validate(value)
+            except ValidationError as e:
+                first = e.errors()[0]
+                where = ".".join(str(x) for x in first["loc"])
+                raise ValueError(f"{where}: {first['msg']}") from None
         return value
 
     @field_validator("seed")

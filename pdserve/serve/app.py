@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from pdserve.engine.api import Engine
 from pdserve.serve.config import ServerConfig
-from pdserve.serve.http import install_auth, install_error_handlers
+from pdserve.serve.http import install_auth, install_error_handlers, install_openapi_bodies
 from pdserve.serve.metrics import Metrics
 from pdserve.serve.routes import admin, derender, generate, openai
 from pdserve.serve.state import AppState
@@ -47,6 +47,7 @@ def create_app(
     app = FastAPI(title="pdserve", lifespan=lifespan)
     app.state.pdserve = state
     install_error_handlers(app)
+    install_openapi_bodies(app)
     if config.api_key:
         install_auth(app, config.api_key)
     app.include_router(admin.router)

@@ -1,7 +1,8 @@
 """The line a server prints once it accepts connections: where it listens and what it serves.
 
 Operators read it the way they read ``vllm serve``'s startup lines: the URL, the model and its
-limits, the engine (and its threads), the tokenizer, the parsers and the routes this role serves.
+limits, the engine (and its threads), the tokenizer, the parsers, the KV hand-off and the routes this
+role serves.
 """
 
 from __future__ import annotations
@@ -21,6 +22,17 @@ def _engine_line(state: AppState) -> str:
     invariant = ", batch-invariant" if state.config.engine is not None and state.config.engine.batch_invariant else ""
     return (f"{kind} ({where}{threads}{invariant}); max_model_len {info.max_model_len}, "
             f"max_num_seqs {info.max_num_seqs}")
+
+
+def _kv_line(state: AppState) -> str:
+    spec = state.config.engine.kv_transfer if state.config.engine is not None else None
+    info = state.engine.info.kv if state.engine is not None else None
+    if spec is None or info is None:
+        return "none (requests carrying kv_transfer_params are refused)"
+    pool_mib = info.num_blocks * info.layout.block_bytes / 2**20
+    return (f"nixl, engine {info.engine_id}: {info.num_blocks} blocks of {info.layout.block_size} tokens "
+            f"({pool_mib:.0f} MiB address space), lease {spec.lease_s:g}s, on load failure {spec.failure_policy}; "
+            f"peers pull via {spec.host}:{spec.port}/kv/metadata")
 
 
 def _parsers_line(state: AppState) -> str:
@@ -55,5 +67,6 @@ def ready_banner(state: AppState, url: str) -> str:
         f"  engine     {_engine_line(state)}",
         f"  tokenizer  {tokenizer}",
         f"  parsers    {_parsers_line(state)}",
+        *([f"  kv         {_kv_line(state)}"] if state.engine is not None else []),
         f"  routes     {_routes_line(state)}",
     ])

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
+import uuid
 from importlib import resources
 
-from pdserve.engine.spec import EngineSpec
+from pdserve.engine.spec import KV_FAILURE_POLICIES, EngineSpec, KVTransferSpec
 from pdserve.serve.config import ServerConfig
 
 DEMO_SCRIPT = "demo_script.jsonl"
@@ -27,6 +29,49 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="warning")
 
 
+def _add_kv_args(p: argparse.ArgumentParser) -> None:
+    kv = p.add_argument_group("KV hand-off (P/D disaggregation; docs/pd.md)")
+    kv.add_argument(
+        "--kv-transfer", choices=["nixl"], default=None,
+        help="hand prompts' KV to and from other pdserve engines over NIXL (vLLM NixlConnector's "
+        "kv_transfer_params); without it, requests carrying those params are a 400",
+    )
+    kv.add_argument("--kv-lease-s", type=float, default=30.0, help="how long a finished prefill's KV waits for its pull")
+    kv.add_argument(
+        "--kv-load-failure-policy", choices=KV_FAILURE_POLICIES, default="fail",
+        help="a decode leg whose KV cannot be pulled: fail it (502 / error event), or recompute the prompt here",
+    )
+    kv.add_argument(
+        "--kv-pool-tokens", type=int, default=None,
+        help="size of the NIXL-registered KV block pool in token positions (default: max_num_seqs * max_model_len)",
+    )
+    kv.add_argument(
+        "--kv-host", default=None,
+        help="host name decode servers reach this server by, sent as remote_host (default: --host, or this "
+        "machine's name when --host is a wildcard)",
+    )
+
+
+def kv_transfer_spec(args: argparse.Namespace) -> KVTransferSpec | None:
+    """The engine's KV hand-off settings, or None without --kv-transfer."""
+    if args.kv_transfer is None:
+        return None
+    if args.kv_lease_s <= 0:
+        raise ValueError("--kv-lease-s must be positive")
+    if args.kv_pool_tokens is not None and args.kv_pool_tokens < 1:
+        raise ValueError("--kv-pool-tokens must be positive")
+    host = args.kv_host or (socket.gethostname() if args.host in ("", "0.0.0.0", "::") else args.host)
+    return KVTransferSpec(
+        engine_id=f"pdserve-{uuid.uuid4().hex[:16]}",
+        host=host,
+        port=args.port,
+        lease_s=args.kv_lease_s,
+        failure_policy=args.kv_load_failure_policy,
+        pool_tokens=args.kv_pool_tokens,
+        api_key=args.api_key,
+    )
+
+
 def add_server_commands(sub: argparse._SubParsersAction) -> None:
     """``serve`` and ``launch render``: the server roles (the top-level parser is :mod:`pdserve.cli`)."""
     serve = sub.add_parser("serve", help="run a generate server")
@@ -34,7 +79,8 @@ def add_server_commands(sub: argparse._SubParsersAction) -> None:
         "model", nargs="?", default=None,
         help="smollm2-135m (default), qwen3-tiny, a Hugging Face model dir or a .gguf file (torch engine)",
     )
-    serve.add_argument("--engine", choices=["scripted", "torch"], default=None)
+    serve.add_argument("--engine", choices=["scripted", "torch", "vllm"], default=None,
+                       help="vllm: the model runs in vLLM's AsyncLLM (needs `make vllm-env`)")
     serve.add_argument("--tokenizer", default=None, help="'qwen3' or a directory with tokenizer.json")
     serve.add_argument("--script", default=None, help="JSONL token scripts for --engine scripted")
     serve.add_argument("--tokens-per-step", type=int, default=1)
@@ -49,6 +95,12 @@ def add_server_commands(sub: argparse._SubParsersAction) -> None:
         "its batch on any CPU (slower; see docs/engine.md)",
     )
     serve.add_argument("--api-server-count", type=int, default=1)
+    serve.add_argument(
+        "--enable-per-request-metrics", action="store_true",
+        help="add server-side timing ('metrics': TTFT, generation time, mean ITL, tok/s) to generate responses, "
+        "final stream chunks and the coupled endpoints",
+    )
+    _add_kv_args(serve)
     _add_server_args(serve)
 
     launch = sub.add_parser("launch", help="run a server of another role")
@@ -57,6 +109,19 @@ def add_server_commands(sub: argparse._SubParsersAction) -> None:
     render.add_argument("--tokenizer", default="qwen3", help="'qwen3' or a directory with tokenizer.json")
     render.add_argument("--max-model-len", type=int, default=None, help="bound for derender inputs")
     _add_server_args(render)
+
+
+def _vllm_tokenizer(args: argparse.Namespace, tokenizer: str | None) -> str | None:
+    """``--engine vllm``: vLLM installed, no torch-engine-only flags; the tokenizer is the model dir's."""
+    from pdserve.checkpoints.resolve import resolve_model
+    from pdserve.engine.runners.vllm_runner import require_vllm
+
+    require_vllm()
+    if args.batch_invariant or args.kv_transfer:
+        raise ValueError("--batch-invariant and --kv-transfer are torch engine modes; drop them with --engine vllm")
+    if args.api_server_count != 1:
+        raise ValueError("--engine vllm runs in the server process: --api-server-count must be 1")
+    return tokenizer or str(resolve_model(args.model))
 
 
 def serve_config(args: argparse.Namespace) -> ServerConfig:
@@ -70,8 +135,12 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
             raise ValueError("--engine scripted takes no MODEL (it replays --script)")
         if args.batch_invariant:
             raise ValueError("--batch-invariant is a torch engine mode; --engine scripted has no model to run")
+        if args.kv_transfer:
+            raise ValueError("--kv-transfer hands off a model's KV; --engine scripted has none (use --engine torch)")
         script = script or demo_script_path()
         tokenizer = tokenizer or "qwen3"
+    if engine_kind == "vllm":
+        tokenizer = _vllm_tokenizer(args, tokenizer)
     spec = EngineSpec(
         kind=engine_kind,
         model=args.model,
@@ -81,6 +150,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         max_num_seqs=args.max_num_seqs,
         dtype=args.dtype,
         batch_invariant=args.batch_invariant,
+        kv_transfer=kv_transfer_spec(args),
     )
     return ServerConfig(
         engine=spec,
@@ -97,6 +167,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         api_server_count=args.api_server_count,
         log_level=args.log_level,
+        enable_per_request_metrics=args.enable_per_request_metrics,
     )
 
 

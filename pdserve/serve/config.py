@@ -35,3 +35,5 @@ class ServerConfig:
     log_level: str = "info"
     # Bound for render/derender inputs on a server without an engine (else the engine's).
     max_model_len: int | None = None
+    # --enable-per-request-metrics: server-side timing as ``metrics`` on responses (pdserve.output.timing).
+    enable_per_request_metrics: bool = False

@@ -5,10 +5,45 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pdserve.protocol.engine import EngineStats
+from pdserve.protocol.kv import PULL_SECONDS_BUCKETS, KVStats
+
+# KV hand-off counters (cumulative) and gauges (now): (KVStats field, metric name, help).
+_KV_COUNTERS = (
+    ("exported_blocks", "pdserve_kv_exported_blocks", "KV blocks of finished prefill legs held for a remote decode"),
+    ("exported_requests", "pdserve_kv_exported_requests", "Prefill legs whose KV was held for a remote decode"),
+    ("leases_pulled", "pdserve_kv_leases_pulled", "Held KV freed because its decode engine pulled it"),
+    ("leases_expired", "pdserve_kv_leases_expired", "Held KV freed because nobody pulled it within --kv-lease-s"),
+    ("pulls_ok", "pdserve_kv_pulls_ok", "Decode legs whose prompt KV was pulled from a prefill engine"),
+    ("pulls_failed", "pdserve_kv_pulls_failed", "Decode legs whose KV pull failed"),
+    ("recomputes", "pdserve_kv_recomputes", "Failed pulls answered by prefilling here (--kv-load-failure-policy)"),
+    ("pulled_blocks", "pdserve_kv_pulled_blocks", "KV blocks pulled from prefill engines"),
+    ("pulled_bytes", "pdserve_kv_pulled_bytes", "KV bytes pulled from prefill engines"),
+    ("pulled_tokens", "pdserve_kv_pulled_tokens", "Prompt positions whose KV was pulled from prefill engines"),
+)
+_KV_GAUGES = (
+    ("pool_blocks", "pdserve_kv_pool_blocks", "Blocks of the NIXL-registered KV block pool"),
+    ("free_blocks", "pdserve_kv_free_blocks", "Free blocks of the KV block pool"),
+    ("held_blocks", "pdserve_kv_held_blocks", "KV blocks held for remote decode (leases)"),
+    ("held_requests", "pdserve_kv_held_requests", "Prefill legs whose KV is held for remote decode"),
+)
+
+
+def _kv_metrics(kv: KVStats) -> Iterator[Metric]:
+    for field, name, doc in _KV_COUNTERS:
+        yield CounterMetricFamily(name, doc, value=getattr(kv, field))
+    for field, name, doc in _KV_GAUGES:
+        yield GaugeMetricFamily(name, doc, value=getattr(kv, field))
+    running, buckets = 0, []
+    for bound, count in zip((*PULL_SECONDS_BUCKETS, float("inf")), kv.pull_seconds_counts, strict=True):
+        running += count
+        buckets.append(("+Inf" if bound == float("inf") else str(bound), running))
+    yield HistogramMetricFamily(
+        "pdserve_kv_pull_seconds", "KV pull latency (READ start to end)", buckets=buckets, sum_value=kv.pull_seconds_sum
+    )
 
 
 class _EngineStatsCollector(Collector):
@@ -17,7 +52,7 @@ class _EngineStatsCollector(Collector):
     def __init__(self, stats: Callable[[], EngineStats]):
         self._stats = stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         stats = self._stats()
         yield GaugeMetricFamily(
             "pdserve_engine_running_requests", "Requests the engine is running", value=stats.running_requests
@@ -28,6 +63,12 @@ class _EngineStatsCollector(Collector):
         yield GaugeMetricFamily(
             "pdserve_engine_waiting_requests", "Requests waiting in the engine", value=stats.waiting_requests
         )
+        yield CounterMetricFamily(
+            "pdserve_engine_prompt_tokens_computed", "Prompt positions the engine's model computed (prefill)",
+            value=stats.prompt_tokens_computed,
+        )
+        if stats.kv is not None:
+            yield from _kv_metrics(stats.kv)
 
 
 class Metrics:
@@ -44,6 +85,13 @@ class Metrics:
         )
         self.running = Gauge(
             "pdserve_running_requests", "Requests in flight in this frontend process", registry=self.registry
+        )
+        self.server_errors = Counter(
+            "pdserve_server_errors",
+            "Answers that were server errors (a 5xx status, or a stream that ended with a 5xx error event), "
+            "by route and status; counted once per request, for every route",
+            ["path", "status"],
+            registry=self.registry,
         )
         if engine_stats is not None:
             self.registry.register(_EngineStatsCollector(engine_stats))

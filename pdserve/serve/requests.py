@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from pdserve.engine.request_ids import engine_request_id
 from pdserve.output.request_state import ChoiceParser, OutputConfig, RequestState
 from pdserve.protocol.engine import EngineRequest, SequenceSampling
 from pdserve.protocol.generate import GenerateRequest
+from pdserve.protocol.kv import parse_kv_transfer_params
 from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest
 from pdserve.serve.state import AppState
 from pdserve.serve.validation import resolve_max_tokens
@@ -79,6 +81,7 @@ def engine_request(req: GenerateRequest, request_id: str, max_tokens: int) -> En
             prompt_logprobs=sp.prompt_logprobs,
         ),
         kv_transfer_params=req.effective_kv_transfer_params(),
+        kv=parse_kv_transfer_params(req.effective_kv_transfer_params()),
         priority=req.priority,
         extra_args=sp.extra_args,
     )
@@ -115,11 +118,15 @@ def output_config(state: AppState, req: GenerateRequest, completions_cut: bool =
 def prepare(
     state: AppState, req: GenerateRequest, request_id: str, completions_cut: bool = False
 ) -> tuple[EngineRequest, RequestState]:
-    """The engine request and its request-scoped output state (call after validation)."""
+    """The engine request and its request-scoped output state (call after validation).
+
+    The engine request gets an id of its own (``request_id`` plus a unique suffix, see
+    :mod:`pdserve.engine.request_ids`): a client that reuses an id never collides with, or aborts,
+    another request; responses carry ``request_id`` as the client sent it."""
     model_max_tokens = state.tokenizer.generation_defaults.get("max_tokens") if state.tokenizer else None
     max_tokens = resolve_max_tokens(state.require_engine().info.max_model_len, req, model_max_tokens)
     rstate = RequestState(request_id, req.sampling_params.n, output_config(state, req, completions_cut))
-    return engine_request(req, request_id, max_tokens), rstate
+    return engine_request(req, engine_request_id(request_id), max_tokens), rstate
 
 
 # ---------------------------------------------------------------- stateless derender

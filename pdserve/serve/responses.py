@@ -17,9 +17,10 @@ from pydantic import BaseModel
 from pdserve.engine.api import EngineError
 from pdserve.output.request_state import ChoiceUpdate, RequestState
 from pdserve.protocol.engine import EngineRequest
+from pdserve.protocol.errors import RequestError
 from pdserve.serve.driver import drive
-from pdserve.serve.http import error_body
-from pdserve.serve.sse import DONE, sse_event
+from pdserve.serve.http import engine_error_body, error_body, logger, report_stream_error
+from pdserve.protocol.sse import DONE, sse_event
 from pdserve.serve.state import AppState
 
 Prepared = tuple[EngineRequest, RequestState]
@@ -66,7 +67,7 @@ async def respond_batch(
     build: Callable[[], BaseModel],
 ) -> Response:
     """Run to completion and answer with ``build()``; counts the request under ``labels``
-    (endpoint, output mode) with its status: 200, 499 (client left) or 500 (engine error)."""
+    (endpoint, output mode) with its status: 200, 499 (client left) or the engine error's 5xx."""
     state.metrics.running.inc()
     status = "200"
     try:
@@ -75,8 +76,14 @@ async def respond_batch(
     except ClientGone:
         status = "499"
         return Response(status_code=499)
-    except EngineError:
-        status = "500"
+    except EngineError as e:
+        status = str(engine_error_body(e)[0])
+        raise
+    except RequestError as e:
+        status = str(e.status)
+        raise
+    except Exception:
+        status = "500"  # a server bug: the error handler answers 500, so the count must say so too
         raise
     finally:
         state.metrics.running.dec()
@@ -84,9 +91,10 @@ async def respond_batch(
 
 
 def respond_stream(state: AppState, labels: tuple[str, str], events: AsyncIterator[str]) -> StreamingResponse:
-    """SSE response around an endpoint's events: the running gauge, an engine error as a final
-    ``data: {"error": ...}`` event, ``data: [DONE]`` last, and the request counted under ``labels``
-    with its status: 200, 500 (engine error) or 499 (client left)."""
+    """SSE response around an endpoint's events: the running gauge, any failure after the headers (engine
+    error, a request error found late, a server bug) as a final ``data: {"error": ...}`` event,
+    ``data: [DONE]`` last, and the request counted under ``labels`` with its status: 200, the error's
+    status or 499 (client left)."""
 
     async def framed() -> AsyncIterator[str]:
         state.metrics.running.inc()
@@ -97,8 +105,18 @@ def respond_stream(state: AppState, labels: tuple[str, str], events: AsyncIterat
                 async for event in inner:
                     yield event
         except EngineError as e:
+            code, body = engine_error_body(e)
+            status = str(code)
+            report_stream_error(code)
+            yield sse_event(body)
+        except RequestError as e:
+            status = str(e.status)
+            yield sse_event(e.to_response().model_dump())
+        except Exception as e:  # a server bug after the 200 headers: still a verdict, never a silent stop
+            logger.exception("pdserve: stream failed")
             status = "500"
-            yield sse_event(error_body(f"engine error: {e}", 500, "InternalServerError"))
+            report_stream_error(500)
+            yield sse_event(error_body(f"internal server error: {type(e).__name__}", 500, "InternalServerError"))
         except asyncio.CancelledError:
             status = "499"
             raise

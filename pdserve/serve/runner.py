@@ -35,6 +35,7 @@ from pdserve.parsers import ParserConfig
 from pdserve.serve.app import create_app
 from pdserve.serve.banner import ready_banner
 from pdserve.serve.config import ServerConfig
+from pdserve.serve.http import BoundedHttpToolsProtocol
 from pdserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("pdserve")
@@ -150,7 +151,9 @@ def _serve_app(config: ServerConfig, engine: Engine | None, tokenizer: Tokenizer
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     server = _AnnouncingServer(
-        uvicorn.Config(app, log_level=config.log_level, loop="uvloop", http="httptools", timeout_graceful_shutdown=5),
+        # httptools bounded to MAX_HEADER_BYTES of request head (431 past it; httptools has no limit of its own).
+        uvicorn.Config(app, log_level=config.log_level, loop="uvloop", http=BoundedHttpToolsProtocol,
+                       timeout_graceful_shutdown=5),
         (lambda: ready_banner(app.state.pdserve, url)) if announce else None,
     )
     server.run(sockets=[sock])
@@ -179,7 +182,7 @@ def run_server(config: ServerConfig) -> int:
         if config.api_server_count < 1:
             raise ValueError("--api-server-count must be at least 1")
         spec = config.engine
-        if spec is None or (spec.kind == "scripted" and config.api_server_count == 1):
+        if spec is None or spec.kind == "vllm" or (spec.kind == "scripted" and config.api_server_count == 1):
             engine = build_engine(spec) if spec is not None else None
             _serve_app(config, engine, tokenizer, parsers, _bind(config.host, config.port, reuse_port=False))
             return 0

@@ -7,11 +7,35 @@ need the server's tokenizer, parser config and engine limits. Each failure is a
 
 from __future__ import annotations
 
+from pdserve.protocol.engine import EngineInfo
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import GenerateRequest
+from pdserve.protocol.kv import PARAM as KV_PARAM
+from pdserve.protocol.kv import parse_kv_transfer_params
 from pdserve.protocol.sampling import MAX_BAD_WORD_SEQUENCES, SamplingParams
 from pdserve.serve.state import AppState
 from pdserve.text.tokenizer import Tokenizer
+
+
+def _check_kv_transfer(info: EngineInfo, req: GenerateRequest) -> None:
+    """kv_transfer_params (vLLM NixlConnector keys) well formed, and a hand-off this server can do."""
+    kv = parse_kv_transfer_params(req.effective_kv_transfer_params())
+    if not kv.any:
+        return
+    if info.kv is None:
+        raise RequestError(
+            "kv_transfer_params ask for a KV hand-off (do_remote_decode / do_remote_prefill), but this server "
+            "was started without --kv-transfer nixl; start prefill and decode servers with it, or drop the params",
+            param=KV_PARAM,
+        )
+    if kv.export and req.sampling_params.n != 1:
+        raise RequestError("a prefill leg (do_remote_decode) must have n=1", param=KV_PARAM)
+    if kv.pull is not None and req.sampling_params.prompt_logprobs is not None:
+        raise RequestError(
+            "prompt_logprobs need the prompt computed on this server, but a decode leg (do_remote_prefill) pulls "
+            "its KV; ask for prompt_logprobs on the prefill leg",
+            param="sampling_params.prompt_logprobs",
+        )
 
 
 def validate_generate(state: AppState, req: GenerateRequest) -> None:
@@ -67,11 +91,12 @@ def validate_generate(state: AppState, req: GenerateRequest) -> None:
                 req.parse_context.to_chat_request()
             except ValueError as e:
                 raise RequestError(str(e), param="parse_context") from None
+    _check_kv_transfer(info, req)
     # Rule 6: limits.
     bad = next((t for t in req.token_ids if t >= info.vocab_size), None)
     if bad is not None:
         raise RequestError(
-            f"token id {bad} is outside the vocabulary (size {info.vocab_size})", param="token_ids"
+            f"token_ids: token id {bad} is outside the vocabulary (size {info.vocab_size})", param="token_ids"
         )
     _check_sampling_ids(sp, info.vocab_size)
     if sp.bad_words and state.tokenizer is not None:

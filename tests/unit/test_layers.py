@@ -47,7 +47,12 @@ LAYERS: dict[str, frozenset[str]] = {
     "serve": _BELOW_SERVE,
     "proxy": _BELOW_SERVE,
     "bench": _BELOW_SERVE | {"serve", "proxy"},
-    "cli": _BELOW_SERVE | {"serve", "proxy", "bench"},  # the ``pdserve`` entry point, above every role
+    # ``pdserve up``: plans and supervises server processes (the proxy's mode names, bench's free_port).
+    "topology": _BELOW_SERVE | {"proxy", "bench"},
+    # Wire rules checked from outside: imports no other pdserve package, so it cannot share a server's bug.
+    "conformance": frozenset(),
+    "schema": frozenset({"protocol"}),  # JSON Schema export of the wire types
+    "cli": _BELOW_SERVE | {"serve", "proxy", "bench", "conformance", "schema", "topology"},  # the ``pdserve`` entry point
     "data": frozenset(),  # package data only, read through importlib.resources
 }
 SERVE_APP = f"{PACKAGE}.serve.app"

@@ -32,6 +32,7 @@ from typing import Any
 
 from pdserve.engine.api import EngineError
 from pdserve.engine.messages import RequestFailed, StepOutputs
+from pdserve.engine.request_ids import matching
 from pdserve.engine.spec import EngineSpec, TokenScript
 from pdserve.protocol.engine import (
     EngineInfo,
@@ -145,6 +146,8 @@ class ScriptedCore:
     def validate(self, request: EngineRequest) -> None:
         """Reject ids outside the vocabulary in the logits-processing params, as the torch engine does."""
         problems = request.sampling.logits_problems(self.info.vocab_size)
+        if request.kv.any:
+            problems.append("the scripted engine holds no KV cache to hand off; P/D needs --engine torch --kv-transfer nixl")
         if problems:
             raise EngineError(f"invalid request {request.request_id!r}: " + "; ".join(problems))
 
@@ -173,10 +176,8 @@ class ScriptedCore:
 
     def abort(self, request_ids: list[str]) -> None:
         """Mark requests aborted: their next step ends each unfinished sequence with ``"abort"``."""
-        for request_id in request_ids:
-            live = self._live.get(request_id)
-            if live is not None:
-                live.aborted = True
+        for request_id in matching(request_ids, list(self._live)):
+            self._live[request_id].aborted = True
 
     def abort_all(self) -> None:
         self.abort(list(self._live))
@@ -188,6 +189,9 @@ class ScriptedCore:
 
     def has_work(self) -> bool:
         return bool(self._live)
+
+    def poll(self) -> None:
+        """Nothing to tend between steps: no KV."""
 
     def stats(self) -> EngineStats:
         running = sum(live.request.sampling.n - len(live.finished) for live in self._live.values())

@@ -30,18 +30,25 @@ from pdserve.checkpoints.model_dir import model_eos_ids
 from pdserve.checkpoints.resolve import model_display_name, resolve_model
 from pdserve.engine.api import EngineDeadError, EngineError
 from pdserve.engine.channels import OutputChannels
+from pdserve.engine.kv.handoff import KVHandoff
+from pdserve.engine.kv.peers import PeerDirectory
+from pdserve.engine.kv.pool import KVBlockPool
+from pdserve.engine.kv.transport import NixlTransport
 from pdserve.engine.messages import AbortRequests, AddRequest, Command, Shutdown, StepOutputs, StopSequence
-from pdserve.engine.models import load_model, model_config
-from pdserve.engine.spec import EngineSpec
+from pdserve.engine.models import LlamaForCausalLM, load_model, model_config
+from pdserve.engine.spec import EngineSpec, KVTransferSpec
 from pdserve.engine.step_loop import StepLoop
 from pdserve.engine.stepping import apply
 from pdserve.engine.threads import configure_torch_threads
 from pdserve.protocol.engine import EngineInfo, EngineOutput, EngineRequest, EngineStats
+from pdserve.protocol.kv import KVLayout
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Default context when --max-model-len is not given: the model's own, capped (the KV
 # cache reserves address space for max_num_seqs * max_model_len positions).
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
+# An idle in-process engine still turns this often (KV leases expire, "pulled" notifications arrive).
+IDLE_POLL_S = 0.5
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +78,7 @@ class TorchSetup:
     dtype: torch.dtype
     seed: int
     batch_invariant: bool
+    kv_transfer: KVTransferSpec | None = None
 
     @classmethod
     def create(
@@ -82,6 +90,7 @@ class TorchSetup:
         max_num_seqs: int = 16,
         seed: int = 0,
         batch_invariant: bool = False,
+        kv_transfer: KVTransferSpec | None = None,
     ) -> TorchSetup:
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -96,7 +105,7 @@ class TorchSetup:
             max_num_seqs=max_num_seqs,
             eos_token_ids=list(facts.eos_token_ids),
         )
-        return cls(facts, info, DTYPES[dtype], seed, batch_invariant)
+        return cls(facts, info, DTYPES[dtype], seed, batch_invariant, kv_transfer)
 
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> TorchSetup:
@@ -107,6 +116,7 @@ class TorchSetup:
             max_num_seqs=spec.max_num_seqs,
             seed=spec.seed,
             batch_invariant=spec.batch_invariant,
+            kv_transfer=spec.kv_transfer,
         )
 
     def load(self) -> StepLoop:
@@ -124,7 +134,23 @@ class TorchSetup:
             self.batch_invariant,
         )
         model = load_model(self.facts.path, self.dtype, self.info.max_model_len, batch_invariant=self.batch_invariant)
-        return StepLoop(model, self.info, self.seed)
+        kv = self._kv_handoff(model) if self.kv_transfer is not None else None
+        return StepLoop(model, self.info, self.seed, kv)
+
+    def _kv_handoff(self, model: LlamaForCausalLM) -> KVHandoff:
+        """The block pool, registered with NIXL, and its bookkeeping; ``info.kv`` says where to pull from."""
+        spec, cfg = self.kv_transfer, model.cfg
+        assert spec is not None
+        layout = KVLayout(
+            num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            block_size=spec.block_size, dtype=next(k for k, v in DTYPES.items() if v == self.dtype),
+            itemsize=torch.empty((), dtype=self.dtype).element_size(),
+        )
+        tokens = spec.pool_tokens or self.info.max_num_seqs * self.info.max_model_len
+        pool = KVBlockPool(layout, layout.blocks_for(tokens), self.dtype)
+        transport = NixlTransport(spec.engine_id, pool)
+        self.info.kv = transport.agent_info()
+        return KVHandoff(spec, pool, transport, PeerDirectory(layout, spec.api_key))
 
 
 class TorchEngine:
@@ -210,12 +236,13 @@ class TorchEngine:
         loaded.set_result(steps)
         try:
             while True:
-                command = self._inbox.get() if not steps.has_work() else self._next_command()
+                command = self._next_command(wait_s=None if steps.has_work() else IDLE_POLL_S)
                 while command is not None:
                     if isinstance(command, Shutdown):
                         return
                     apply(steps, command)
                     command = self._next_command()
+                steps.poll()
                 if steps.has_work():
                     steps.step()
                 self._publish(steps.take_outputs())
@@ -226,9 +253,10 @@ class TorchEngine:
             self._dead = dead
             self._call_soon(self._fail_all, dead)
 
-    def _next_command(self) -> Command | Shutdown | None:
+    def _next_command(self, wait_s: float | None = None) -> Command | Shutdown | None:
+        """The next command: at once (``wait_s`` None), or within ``wait_s`` seconds; None if there is none."""
         try:
-            return self._inbox.get_nowait()
+            return self._inbox.get_nowait() if wait_s is None else self._inbox.get(timeout=wait_s)
         except queue.Empty:
             return None
 

@@ -1,10 +1,11 @@
-"""Health, model list and Prometheus metrics."""
+"""Health, model list, Prometheus metrics, and the KV hand-off metadata decode engines pull with."""
 
 from __future__ import annotations
 
 import os
 import time
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -31,6 +32,10 @@ async def health(request: Request) -> Response:
     return Response(status_code=200, headers=headers)
 
 
+# Load balancers probe with HEAD: the same answer, without a body (kept out of the schema: one operation).
+router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> JSONResponse:
     state = app_state(request)
@@ -38,6 +43,16 @@ async def models(request: Request) -> JSONResponse:
     if state.engine is not None:
         card["max_model_len"] = state.engine.info.max_model_len
     return JSONResponse({"object": "list", "data": [card]})
+
+
+@router.get("/kv/metadata")
+async def kv_metadata(request: Request) -> Response:
+    """This engine's NIXL agent and block pool (``--kv-transfer nixl``): what a decode engine fetches
+    from ``remote_host:remote_port`` of a prefill response before it READs the blocks."""
+    engine = app_state(request).engine
+    if engine is None or engine.info.kv is None:
+        return error_json("this server hands off no KV: start it with --kv-transfer nixl", 404, "NotFoundError")
+    return Response(msgspec.json.encode(engine.info.kv), media_type="application/json")
 
 
 @router.get("/metrics")

@@ -24,7 +24,8 @@ from pdserve.protocol.derender import (
 )
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import GenerateTokensChoice, GenerateTokensStreamChoice
-from pdserve.protocol.openai import ChatCompletionRequest
+from pdserve.protocol.limits import MAX_N
+from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest
 from pdserve.serve.http import parse_body
 from pdserve.serve.requests import (
     batch_stop_config,
@@ -42,10 +43,42 @@ router = APIRouter()
 MAX_LOGPROBS = 20
 
 
-def _check_bounds(state: AppState, choices: Sequence[GenerateTokensChoice], prompt_ids: Sequence[int] | None) -> None:
+def _check_prompt(state: AppState, prompt_ids: Sequence[int] | None) -> None:
+    """The prompt the output continues: within the model length and the vocabulary (its ids index the
+    tokenizer's tables)."""
+    if prompt_ids is None:
+        return
     limit = max_model_len(state)
-    if prompt_ids is not None and len(prompt_ids) > limit:
-        raise RequestError(f"prompt_token_ids has {len(prompt_ids)} ids, over the model length {limit}")
+    if len(prompt_ids) > limit:
+        raise RequestError(f"prompt_token_ids has {len(prompt_ids)} ids, over the model length {limit}",
+                           param="prompt_token_ids")
+    vocab = state.tokenizer.vocab_size  # type: ignore[union-attr]
+    bad = next((t for t in prompt_ids if t >= vocab), None)
+    if bad is not None:
+        raise RequestError(f"prompt_token_ids has token id {bad}, outside the vocabulary (size {vocab})",
+                           param="prompt_token_ids")
+
+
+def _check_indexes(choices: Sequence[GenerateTokensChoice], where: str) -> None:
+    if sorted(c.index for c in choices) != list(range(len(choices))):
+        raise RequestError(f"{where} must be indexed 0..{len(choices) - 1}, each once", param=where)
+
+
+def _sent_n(req: ChatCompletionRequest | CompletionRequest | None) -> int | None:
+    """The n the client sent (a default n says nothing about the stream it derenders)."""
+    return req.n if req is not None and "n" in req.model_fields_set else None
+
+
+def _max_choices(state: AppState, n: int | None) -> int:
+    """How many choices a stream may have: the request's n, else as many as this server runs at once."""
+    if n is not None:
+        return n
+    return state.engine.info.max_num_seqs if state.engine is not None else MAX_N
+
+
+def _check_bounds(state: AppState, choices: Sequence[GenerateTokensChoice], prompt_ids: Sequence[int] | None) -> None:
+    _check_prompt(state, prompt_ids)
+    limit = max_model_len(state)
     for c in choices:
         if not c.token_ids:
             raise RequestError(f"choice {c.index} has empty or null token_ids")
@@ -67,13 +100,18 @@ def _require_context(state: AppState, chat: ChatCompletionRequest | None) -> Non
 
 
 def _stream_choice(
-    state: AppState, chunk_choices: list[GenerateTokensStreamChoice]
+    state: AppState, chunk_choices: list[GenerateTokensStreamChoice], n: int | None
 ) -> GenerateTokensStreamChoice | None:
     if len(chunk_choices) > 1:
         raise RequestError("a streamed generate chunk carries one choice; send each choice's chunks separately")
     if not chunk_choices:
         return None
     choice = chunk_choices[0]
+    limit = _max_choices(state, n)
+    if choice.index >= limit:
+        raise RequestError(f"generate_chunk.choices[0].index is {choice.index}, but the stream has at most {limit} "
+                           "choices (the request's n, else this server's max_num_seqs)",
+                           param="generate_chunk.choices.index")
     vocab = state.tokenizer.vocab_size  # type: ignore[union-attr]
     if any(t < 0 or t >= vocab for t in choice.token_ids or []):
         raise RequestError(f"choice {choice.index} has token ids outside the vocabulary")
@@ -91,6 +129,7 @@ async def chat_derender(request: Request) -> JSONResponse:
     _require_context(state, chat)
     prompt_ids = req.prompt_token_ids or gen.prompt_token_ids or []
     _check_bounds(state, gen.choices, prompt_ids)
+    _check_indexes(gen.choices, "generate_response.choices")
     choices = []
     for c in gen.choices:
         stop = batch_stop_config(state, c.finish_reason or "stop", c.stop_reason, chat)
@@ -101,6 +140,7 @@ async def chat_derender(request: Request) -> JSONResponse:
         choices, gen.request_id, req.model or state.model_name, usage_of(req.prompt_tokens or 0, completion),
         bool(chat and chat.return_token_ids), prompt_token_ids=gen.prompt_token_ids,
         kv_transfer_params=gen.kv_transfer_params, echoed_token_ids=[c.token_ids for c in gen.choices],
+        metrics=gen.metrics,  # passed through, as vLLM does
     )
     return JSONResponse(response.model_dump(mode="json"))
 
@@ -118,8 +158,9 @@ def _chat_derender_stream(req: DerenderChatStreamRequest, state: AppState) -> JS
         raise RequestError("prompt_token_ids (the full prompt) is required when a parser is configured")
     previous = req.stream_state or DerenderStreamState()
     gchunk = req.generate_chunk
-    choice = _stream_choice(state, gchunk.choices)
+    choice = _stream_choice(state, gchunk.choices, _sent_n(chat))
     prompt_ids = req.prompt_token_ids or gchunk.prompt_token_ids or []
+    _check_prompt(state, prompt_ids)
     model = req.model or state.model_name
     usage = None
     if gchunk.usage is not None:
@@ -134,7 +175,7 @@ def _chat_derender_stream(req: DerenderChatStreamRequest, state: AppState) -> JS
     config = derender_chat_config(state, chat, prompt_ids, stop_tokens_config(state, chat), True, False)
     step = derender.advance(config, previous, parsed, choice, gchunk.request_id, derender_chat_top_limit(chat))
     chunk = chat_chunk(step.choice, step.update, gchunk.request_id, model, bool(chat and chat.return_token_ids),
-                       usage, logprobs=step.update.decoded_logprobs)
+                       usage, logprobs=step.update.decoded_logprobs, metrics=gchunk.metrics)
     return JSONResponse({"chunk": chunk, "stream_state": step.state.model_dump()})
 
 
@@ -155,9 +196,7 @@ async def completion_derender(request: Request) -> JSONResponse:
     for k, gen in enumerate(req.generate_responses):
         prompt_ids = (req.prompt_token_ids[k] if req.prompt_token_ids else None) or gen.prompt_token_ids or []
         _check_bounds(state, gen.choices, prompt_ids)
-        if sorted(c.index for c in gen.choices) != list(range(len(gen.choices))):
-            raise RequestError(f"generate_responses[{k}].choices must be indexed 0..{len(gen.choices) - 1}, "
-                               "each once", param=f"generate_responses[{k}].choices")
+        _check_indexes(gen.choices, f"generate_responses[{k}].choices")
         group = []
         for c in gen.choices:
             stop = batch_stop_config(state, c.finish_reason or "stop", c.stop_reason, creq)
@@ -168,6 +207,7 @@ async def completion_derender(request: Request) -> JSONResponse:
     response = completion_response(
         groups, req.generate_responses[0].request_id, req.model or state.model_name,
         usage_of(sum(req.prompt_tokens or []), completion), bool(creq and creq.return_token_ids),
+        metrics=req.generate_responses[0].metrics if n == 1 else None,  # vLLM: only for one response
     )
     return JSONResponse(response.model_dump(mode="json"))
 
@@ -179,10 +219,9 @@ def _completion_derender_stream(req: DerenderCompletionStreamRequest, state: App
                            "output_mode='text'", param="completion_request.stop")
     previous = req.stream_state or DerenderStreamState()
     gchunk = req.generate_chunk
-    choice = _stream_choice(state, gchunk.choices)
+    choice = _stream_choice(state, gchunk.choices, _sent_n(creq))
     prompt_ids = req.prompt_token_ids or gchunk.prompt_token_ids or []
-    if len(prompt_ids) > max_model_len(state):
-        raise RequestError("prompt_token_ids is longer than the model length")
+    _check_prompt(state, prompt_ids)
     model = req.model or state.model_name
     if choice is None:
         head = {"id": gchunk.request_id, "object": "text_completion", "model": model}
@@ -195,7 +234,7 @@ def _completion_derender_stream(req: DerenderCompletionStreamRequest, state: App
     top_limit = completion_top_limit(creq.logprobs if creq is not None else None)
     step = derender.advance(config, previous, False, choice, gchunk.request_id, top_limit)
     chunk = completion_chunk(step.update, choice.index, previous.logprob_text_offset, gchunk.request_id, model,
-                             bool(creq and creq.return_token_ids), None)
+                             bool(creq and creq.return_token_ids), None, gchunk.metrics)
     step.state.logprob_text_offset = derender.next_text_offset(previous.logprob_text_offset, step.update)
     return JSONResponse({"chunk": chunk, "stream_state": step.state.model_dump()})
 

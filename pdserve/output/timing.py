@@ -1,0 +1,50 @@
+"""Server-side timing of one request, returned as ``metrics`` with ``--enable-per-request-metrics``.
+
+vLLM fills its ``PerRequestMetrics`` only on chat/completions; pdserve fills the same fields on
+generate (every output mode, batch and stream) and the coupled endpoints, so a client can tell
+queueing and network time from generation. The frontend stamps three instants with
+``time.monotonic()``: the request's arrival (when its request state is created, after parsing
+and validation), the first engine output that carries a token, and the last one. The engine
+stamps nothing yet, so ``queue_time_ms`` (arrival → first scheduled, which only the engine
+knows) is null.
+
+* ``time_to_first_token_ms``: arrival → first token.
+* ``generation_time_ms``: first token → last token (the decode phase).
+* ``mean_itl_ms``: ``generation_time_ms / (tokens − 1)``; null below two tokens.
+* ``tokens_per_second``: output tokens / (arrival → last token).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestTiming:
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+
+    def tokens(self, count: int, now: float | None = None) -> None:
+        """``count`` output tokens arrived from the engine (stamps only when count > 0)."""
+        if count <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        if self.first_token is None:
+            self.first_token = now
+        self.last_token = now
+
+    def metrics(self, output_tokens: int) -> dict[str, Any]:
+        """The ``metrics`` object (vLLM's field names, milliseconds); nulls where nothing was measured."""
+        ttft = gen = itl = rate = None
+        if self.first_token is not None and self.last_token is not None:
+            ttft = (self.first_token - self.arrival) * 1000
+            gen = (self.last_token - self.first_token) * 1000
+            if output_tokens > 1:
+                itl = gen / (output_tokens - 1)
+            total = self.last_token - self.arrival
+            rate = output_tokens / total if total > 0 else None
+        return {"time_to_first_token_ms": ttft, "queue_time_ms": None, "generation_time_ms": gen,
+                "mean_itl_ms": itl, "tokens_per_second": rate}

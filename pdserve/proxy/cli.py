@@ -1,0 +1,47 @@
+"""``pdserve proxy`` flags. The app, its banner and uvicorn load only when the proxy runs
+(:mod:`pdserve.proxy.server`), so building the ``pdserve`` parser stays cheap for every other command."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdserve.proxy.modes import MODES
+
+
+def _urls(value: str) -> list[str]:
+    urls = [u.strip() for u in value.split(",") if u.strip()]
+    if not urls or any(not u.startswith(("http://", "https://")) for u in urls):
+        raise argparse.ArgumentTypeError(f"expected comma-separated http(s):// URLs, got {value!r}")
+    return urls
+
+
+def _positive(value: str) -> float:
+    number = float(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
+    return number
+
+
+def add_proxy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--render", type=_urls, required=True,
+                   help="render server URL (pdserve launch render); comma-separate several for a pool")
+    p.add_argument("--prefill", type=_urls, required=True, help="prefill server URLs, comma-separated")
+    p.add_argument("--decode", type=_urls, required=True, help="decode server URLs, comma-separated")
+    p.add_argument("--mode", choices=MODES, default="inline",
+                   help="inline: the decode leg returns OpenAI content (derender/text); derender-tier: the decode "
+                   "leg streams tokens and each chunk goes through the render server's /derender")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--health-interval-s", type=_positive, default=1.0, help="seconds between health checks")
+    p.add_argument("--connect-timeout-s", type=_positive, default=2.0,
+                   help="bound on connecting to a member (a dead one fails this fast)")
+    p.add_argument("--upstream-timeout-s", type=_positive, default=600.0,
+                   help="bound on waiting for a member's next bytes")
+    p.add_argument("--log-level", default="warning")
+
+
+def run_proxy(args: argparse.Namespace) -> int:
+    from pdserve.proxy.server import serve_proxy
+
+    return serve_proxy(args)

@@ -1,0 +1,14 @@
+"""The proxy's two ways to produce OpenAI output (``--mode``), named once for the CLI and the flow.
+
+* ``inline``: the decode leg returns OpenAI content itself (``derender`` for chat, ``text`` for
+  completions);
+* ``derender-tier``: the decode leg streams ``tokens`` and the render server's stateless
+  ``/derender`` turns each chunk into OpenAI output (vLLM's path today; the benchmark baseline).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Mode = Literal["inline", "derender-tier"]
+MODES: tuple[Mode, ...] = ("inline", "derender-tier")

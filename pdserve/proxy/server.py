@@ -1,0 +1,66 @@
+"""Run the proxy: pools and client from the flags, the ready banner, uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+
+from pdserve.proxy.app import HealthSettings, create_app, make_client
+from pdserve.proxy.flow import Orchestrator
+from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.pool import Pool
+
+ROUTES = "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics"
+
+
+def _pool_line(pool: Pool) -> str:
+    return ", ".join(f"{m.url} ({m.reason})" for m in pool.members)
+
+
+def ready_banner(orch: Orchestrator, url: str) -> str:
+    """Where it listens, the mode, and each pool with its members' health at start."""
+    lines = [f"pdserve proxy ready on {url}", f"  mode       {orch.mode}"]
+    lines += [f"  {pool.name:<10} {_pool_line(pool)}" for pool in orch.pools]
+    lines.append(f"  routes     {ROUTES}")
+    return "\n".join(lines)
+
+
+class _AnnouncingServer(uvicorn.Server):
+    """uvicorn that prints the banner once it accepts connections (after the first health check)."""
+
+    def __init__(self, config: uvicorn.Config, orch: Orchestrator, url: str):
+        super().__init__(config)
+        self._orch, self._url = orch, url
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if not self.should_exit:
+            print(ready_banner(self._orch, self._url), file=sys.stderr, flush=True)
+
+
+def build_orchestrator(args: argparse.Namespace) -> Orchestrator:
+    metrics = ProxyMetrics()
+
+    def pool(name: str, urls: Sequence[str]) -> Pool:
+        made = Pool(name, urls, on_change=metrics.member_changed)
+        for member in made.members:
+            metrics.member_changed(made, member)
+        return made
+
+    client = make_client(args.connect_timeout_s, args.upstream_timeout_s)
+    return Orchestrator(client, pool("render", args.render), pool("prefill", args.prefill),
+                        pool("decode", args.decode), args.mode, metrics)
+
+
+def serve_proxy(args: argparse.Namespace) -> int:
+    orch = build_orchestrator(args)
+    app = create_app(orch, HealthSettings(args.health_interval_s, args.connect_timeout_s), args.api_key)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop="uvloop",
+                            http="httptools", timeout_graceful_shutdown=5)
+    _AnnouncingServer(config, orch, f"http://{host}:{args.port}").run()
+    return 0

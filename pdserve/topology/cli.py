@@ -1,0 +1,68 @@
+"""``pdserve up`` flags; unknown flags are extra ``pdserve serve`` flags for the prefill and decode servers."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pdserve.proxy.modes import MODES
+
+DEFAULT_BASE_PORT = 8000
+
+
+def add_up_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="any model pdserve serve takes: smollm2-135m (default), qwen3-tiny, a model dir, a .gguf")
+    p.add_argument("--prefill", type=int, default=1, help="prefill servers (default 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode servers (default 1)")
+    p.add_argument("--mode", choices=MODES, default="inline", help="the proxy's mode")
+    p.add_argument("--port", type=int, default=DEFAULT_BASE_PORT,
+                   help="the proxy's port; the servers take the ports after it (0: any free ports)")
+    p.add_argument("--reasoning-parser", default=None, help="deepseek_r1 | qwen3 (render and decode servers)")
+    p.add_argument("--tool-call-parser", default=None, help="hermes | qwen3_coder (render and decode servers)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true")
+    p.add_argument("--api-key", default=None, help="the proxy's API key (the servers listen on loopback only)")
+    p.add_argument("--log-level", default="warning")
+
+
+def parser_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    flags: list[str] = []
+    if args.reasoning_parser:
+        flags += ["--reasoning-parser", args.reasoning_parser]
+    if args.tool_call_parser:
+        flags += ["--tool-call-parser", args.tool_call_parser]
+    if args.enable_auto_tool_choice:
+        flags.append("--enable-auto-tool-choice")
+    return tuple(flags)
+
+
+def run_up(args: argparse.Namespace, serve_flags: list[str]) -> int:
+    from pdserve.bench.servers import free_port
+    from pdserve.checkpoints.resolve import DEFAULT_MODEL, resolve_model
+    from pdserve.topology.plan import TopologyRequest, plan
+    from pdserve.topology.supervise import run
+
+    model = args.model or DEFAULT_MODEL
+    try:
+        tokenizer_dir = resolve_model(model)  # built once here, so the servers start from the cache
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
+    ports: dict[int, int] = {}
+
+    def port_for(k: int) -> int:
+        if k not in ports:
+            ports[k] = free_port() if args.port == 0 else args.port + k
+        return ports[k]
+
+    request = TopologyRequest(
+        model=model, tokenizer_dir=str(tokenizer_dir), prefill=args.prefill, decode=args.decode, mode=args.mode,
+        parser_flags=parser_flags(args), serve_flags=tuple(serve_flags),
+        proxy_flags=("--log-level", args.log_level, *(("--api-key", args.api_key) if args.api_key else ())),
+    )
+    try:
+        specs = plan(request, port_for)
+    except ValueError as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
+    return run(specs, args.mode, model)

@@ -1,0 +1,117 @@
+"""Run a planned topology: start the servers, wait (with progress) until each is healthy, start the
+proxy, print every URL, then watch: a member that exits is reported once (name, pid, exit code, log)
+and left to the proxy's health check, which takes it out of rotation. Ctrl-C / SIGTERM, or the proxy
+exiting, stops every process group.
+"""
+
+from __future__ import annotations
+
+import signal
+import tempfile
+import time
+from pathlib import Path
+from types import FrameType
+
+from pdserve.topology.members import MemberProcess, MemberSpec, stop_all
+
+STARTUP_TIMEOUT_S = 300.0
+PROGRESS_EVERY_S = 10.0
+WATCH_POLL_S = 0.2
+
+
+class StartupFailed(Exception):
+    pass
+
+
+def say(line: str) -> None:
+    print(f"pdserve up: {line}", flush=True)
+
+
+def wait_healthy(members: list[MemberProcess], timeout_s: float) -> None:
+    """Until every member answers ``/health``: one line per member as it comes up, a progress line
+    every few seconds; a member that exits meanwhile fails the start with its log tail."""
+    start = time.monotonic()
+    waiting = list(members)
+    next_progress = start + PROGRESS_EVERY_S
+    while waiting:
+        for member in list(waiting):
+            code = member.exit_code()
+            if code is not None:
+                raise StartupFailed(f"{member.name} exited with code {code} while starting; its log "
+                                    f"({member.log_path}) ends with:\n{member.log_tail()}")
+            if member.is_healthy():
+                waiting.remove(member)
+                say(f"{member.name} healthy on {member.url} ({time.monotonic() - start:.1f}s)")
+        now = time.monotonic()
+        if waiting and now > start + timeout_s:
+            raise StartupFailed(f"not healthy after {timeout_s:.0f}s: {', '.join(m.name for m in waiting)}")
+        if waiting and now >= next_progress:
+            say(f"waiting for {', '.join(m.name for m in waiting)} ({now - start:.0f}s)")
+            next_progress = now + PROGRESS_EVERY_S
+        time.sleep(0.1)
+
+
+def summary(members: list[MemberProcess], mode: str, model: str, log_dir: Path) -> str:
+    proxy = members[-1]
+    lines = [f"pdserve up: ready: {model}, mode {mode}"]
+    lines += [f"  {m.name:<10} {m.url:<24} pid {m.pid}" for m in members]
+    lines += [f"  logs       {log_dir}", f"OpenAI base URL: {proxy.url}/v1", "Ctrl-C stops them all."]
+    return "\n".join(lines)
+
+
+def _report_exits(members: list[MemberProcess]) -> MemberProcess | None:
+    """Report each newly exited member once; the proxy, if it is one of them."""
+    for member in members:
+        code = member.exit_code()
+        if code is None or member.exit_reported:
+            continue
+        member.exit_reported = True
+        member.signal_group(signal.SIGKILL)  # what it started (its engine core) goes with it
+        say(f"{member.name} (pid {member.pid}, {member.url}) exited with code {code}; "
+            f"the proxy takes it out of rotation (log: {member.log_path})")
+        if member.spec.role == "proxy":
+            return member
+    return None
+
+
+def run(specs: list[MemberSpec], mode: str, model: str) -> int:
+    """Start, supervise and stop the topology; the exit code of ``pdserve up``."""
+    log_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+    servers = [MemberProcess(s, log_dir) for s in specs if s.role != "proxy"]
+    proxy = [MemberProcess(s, log_dir) for s in specs if s.role == "proxy"]
+    members = servers + proxy
+    stopping = False
+
+    def _stop(signum: int, _frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+        raise KeyboardInterrupt  # leaves a blocking wait at once
+
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
+    try:
+        say(f"starting {', '.join(m.name for m in servers)} (logs in {log_dir})")
+        for member in servers:
+            member.spawn()
+        wait_healthy(servers, STARTUP_TIMEOUT_S)
+        proxy[0].spawn()
+        wait_healthy(proxy, STARTUP_TIMEOUT_S)
+        print(summary(members, mode, model, log_dir), flush=True)
+        while _report_exits(members) is None:
+            time.sleep(WATCH_POLL_S)
+        code = 1  # the proxy is gone: nothing routes to the servers any more
+    except StartupFailed as e:
+        say(str(e))
+        code = 1
+    except KeyboardInterrupt:
+        code = 0 if stopping else 130
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C does not cut the shutdown short
+        say("stopping every member")
+        stop_all([m for m in members if m.proc is not None])
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        say("stopped")
+    return code
+

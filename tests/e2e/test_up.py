@@ -1,0 +1,188 @@
+"""``pdserve up``: a whole local topology (qwen3-tiny, reasoning and tool parsers) driven with the openai SDK,
+against a plain coupled ``pdserve serve qwen3-tiny`` with the same parsers. Destructive tests run last."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.serverproc import ServerProcess
+from tests.waiting import wait_until
+
+MODEL = "qwen3-tiny"
+PARSERS = ("--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice")
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}}]
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+MEMBER_LINE = re.compile(r"^  (render|prefill-\d+|decode-\d+|proxy)\s+(http://\S+)\s+pid (\d+)$", re.MULTILINE)
+
+
+class Up:
+    """A running ``pdserve up``: its output so far, its members (name -> (url, pid)) once ready."""
+
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", "up", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_ready(self) -> str:
+        found = wait_until(lambda: re.search(r"OpenAI base URL: (\S+)", self.output) or self.proc.poll() is not None,
+                           lambda: f"pdserve up is ready; its output:\n{self.output}", bound_s=240)
+        assert found is not True and self.proc.poll() is None, self.output
+        return found.group(1)  # type: ignore[union-attr]
+
+    @property
+    def members(self) -> dict[str, tuple[str, int]]:
+        return {name: (url, int(pid)) for name, url, pid in MEMBER_LINE.findall(self.output)}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: the test's children only
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie nobody reaped yet counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+@pytest.fixture(scope="module")
+def up() -> Iterator[tuple[Up, str, ServerProcess]]:
+    topology = Up(MODEL, "--port", "0", *PARSERS)
+    coupled = ServerProcess("serve", MODEL, *PARSERS)
+    try:
+        coupled.spawn()  # loads while the topology starts
+        base_url = topology.wait_ready()
+        coupled.wait_healthy(120)
+        yield topology, base_url, coupled
+    finally:
+        topology.stop()
+        coupled.stop()
+
+
+def _clients(up: tuple[Up, str, ServerProcess]) -> list[openai.OpenAI]:
+    _, base_url, coupled = up
+    return [openai.OpenAI(base_url=url, api_key="none", max_retries=0) for url in (base_url, coupled.url + "/v1")]
+
+
+def test_it_prints_every_member_and_each_is_healthy(up: tuple[Up, str, ServerProcess]) -> None:
+    topology, base_url, _ = up
+    members = topology.members
+    assert sorted(members) == ["decode-0", "prefill-0", "proxy", "render"]
+    assert base_url == members["proxy"][0] + "/v1"
+    for name, (url, pid) in members.items():
+        assert alive(pid) and httpx.get(url + "/health", timeout=10).status_code == 200, name
+        assert f"{name} healthy on {url}" in topology.output  # the startup progress
+
+
+def test_sdk_chat_with_tools_equals_the_coupled_server(up: tuple[Up, str, ServerProcess]) -> None:
+    kwargs: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 16,
+                              "temperature": 0, "extra_body": {"return_token_ids": True}}
+    got, want = (c.chat.completions.create(**kwargs).choices[0] for c in _clients(up))
+    assert got.model_extra["token_ids"] == want.model_extra["token_ids"] and len(got.model_extra["token_ids"]) == 16
+    assert got.message.model_dump() == want.message.model_dump()  # content, reasoning, tool_calls
+    assert got.finish_reason == want.finish_reason
+    folded = []
+    for client in _clients(up):
+        ids: list[int] = []
+        content, reasoning, calls, usage = "", "", [], None
+        for chunk in client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+            usage = chunk.usage or usage
+            for c in chunk.choices:
+                ids += c.model_extra.get("token_ids") or []
+                content += c.delta.content or ""
+                reasoning += (c.delta.model_extra or {}).get("reasoning") or ""
+                calls += [(t.index, t.function and t.function.model_dump()) for t in c.delta.tool_calls or []]
+        folded.append((ids, content, reasoning, calls, usage))
+    assert folded[0] == folded[1]
+    assert folded[0][0] == want.model_extra["token_ids"] and folded[0][4].completion_tokens == 16
+
+
+def test_sdk_completions_equal_the_coupled_server(up: tuple[Up, str, ServerProcess]) -> None:
+    kwargs: dict[str, Any] = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 16,
+                              "temperature": 0, "extra_body": {"return_token_ids": True}}
+    got, want = (c.completions.create(**kwargs) for c in _clients(up))
+    assert got.choices[0].text == want.choices[0].text
+    assert got.choices[0].model_extra["token_ids"] == want.choices[0].model_extra["token_ids"]
+    assert got.usage == want.usage
+    streamed = ["".join(ch.choices[0].text for ch in c.completions.create(**kwargs, stream=True) if ch.choices)
+                for c in _clients(up)]
+    assert streamed == [want.choices[0].text] * 2
+
+
+def metric(url: str, name: str) -> float:
+    found = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(url + "/metrics", timeout=10).text, re.M)
+    assert found, f"{name} missing from {url}/metrics"
+    return float(found.group(1))
+
+
+def test_metrics_show_the_prefill_ran_the_prompts_and_the_decode_pulled_them(up: tuple[Up, str, ServerProcess]) -> None:
+    """After the SDK tests above: every prompt was computed on the prefill server and its KV pulled by the decode
+    server over NIXL, which computed no prompt itself (no recompute)."""
+    members = up[0].members
+    prefill, decode = members["prefill-0"][0], members["decode-0"][0]
+    client = _clients(up)[0]
+    client.completions.create(model=MODEL, prompt="One more prompt", max_tokens=2)  # at least one decode leg
+    wait_until(lambda: metric(prefill, "pdserve_kv_exported_requests_total")
+               == metric(decode, "pdserve_kv_pulls_ok_total") > 0, "every exported prompt pulled by the decode server")
+    assert metric(prefill, "pdserve_engine_prompt_tokens_computed_total") > 0
+    assert metric(decode, "pdserve_kv_pulled_bytes_total") > 0
+    assert metric(decode, "pdserve_engine_prompt_tokens_computed_total") == 0
+    assert metric(decode, "pdserve_kv_recomputes_total") == 0 and metric(decode, "pdserve_kv_pulls_failed_total") == 0
+
+
+def test_a_member_that_dies_is_reported_and_the_proxy_stops_routing_to_it(up: tuple[Up, str, ServerProcess]) -> None:
+    topology = up[0]
+    url, pid = topology.members["decode-0"]
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: f"decode-0 (pid {pid}, {url}) exited with code -9" in topology.output,
+               lambda: f"pdserve up reports decode-0's exit; its output:\n{topology.output}")
+    with pytest.raises(openai.InternalServerError, match="decode pool") as e:
+        _clients(up)[0].chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    assert e.value.status_code == 503
+
+
+def test_sigterm_stops_every_process(up: tuple[Up, str, ServerProcess]) -> None:
+    topology = up[0]
+    pids = [pid for _, pid in topology.members.values()]
+    cores = []
+    for name, (url, _) in topology.members.items():
+        if name.startswith("prefill"):
+            cores.append(int(httpx.get(url + "/health", timeout=10).headers["x-pdserve-core-pid"]))
+    assert cores and all(alive(p) for p in cores)
+    os.kill(topology.proc.pid, signal.SIGTERM)
+    assert topology.proc.wait(timeout=60) == 0
+    assert "stopped" in topology.output
+    assert [p for p in pids + cores if alive(p)] == []

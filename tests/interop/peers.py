@@ -1,0 +1,77 @@
+"""Starting the peers of the interop suite: a vLLM server (through scripts/vllm_cli.py, the console-script
+workaround) and pdserve servers, on one shared model dir."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from pdserve.checkpoints.builtin import build_qwen3_tiny
+from tests.serverproc import ServerProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_CLI = ROOT / "scripts" / "vllm_cli.py"
+MODEL_NAME = "qwen3-tiny"
+MAX_MODEL_LEN = 2048
+# fp32 on both sides: in bf16 the two engines' kernels round differently, and a random model's near-ties
+# then flip greedy tokens; the comparisons are about the protocol, not about bf16 kernels.
+DTYPE_ARGS = ("--dtype", "float32")
+PARSER_ARGS = ("--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice")
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+}
+
+
+def build_shared_model_dir(out: Path) -> Path:
+    build_qwen3_tiny(out, head_dim=32)
+    return out
+
+
+class VllmPeer(ServerProcess):
+    """``vllm serve DIR --enable-scale-out`` on a free loopback port (healthy after ~60 s on 2 cores)."""
+
+    def __init__(self, model_dir: Path, *args: str) -> None:
+        super().__init__("vllm", startup_timeout=600.0)
+        self._cmd = [
+            sys.executable,
+            str(VLLM_CLI),
+            "serve",
+            str(model_dir),
+            "--served-model-name",
+            MODEL_NAME,
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            *DTYPE_ARGS,
+            "--enforce-eager",
+            "--enable-scale-out",
+            *args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
+
+    def spawn(self) -> None:
+        env = {**os.environ, **VLLM_ENV, "PYTHONUNBUFFERED": "1"}
+        with self._log.open("wb") as log:
+            self.proc = subprocess.Popen(self._cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def pdserve(model_dir: Path, *args: str) -> ServerProcess:
+    """A pdserve server on the shared model dir, serving it under vLLM's model name."""
+    return ServerProcess(
+        "serve",
+        str(model_dir),
+        "--served-model-name",
+        MODEL_NAME,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        *DTYPE_ARGS,
+        *args,
+        startup_timeout=600.0,
+    )

@@ -1,0 +1,149 @@
+"""The orchestration over mocked servers (httpx.MockTransport): what each leg receives, and how upstream
+failures reach the client. Real servers: tests/e2e/test_proxy.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from pdserve.proxy.flow import Orchestrator
+from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.pool import Pool
+from pdserve.proxy.upstream import UpstreamError
+
+RENDERED = {
+    "request_id": "chatcmpl-rid", "token_ids": [1, 2, 3], "model": None, "stream": True,
+    "sampling_params": {"max_tokens": 5, "min_tokens": 2, "stop": ["x"], "logprobs": 1},
+    "parse_context": {"tools": None, "tool_choice": "none"}, "stream_options": {"include_usage": True},
+}
+KV = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [[4, 5]], "remote_request_id": "r"}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+def sse(*events: Any, done: bool = True) -> bytes:
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events)
+    return (body + ("data: [DONE]\n\n" if done else "")).encode()
+
+
+def chunk(**choice: Any) -> dict[str, Any]:
+    return {"request_id": "generate-tokens-rid", "output_mode": "derender", "choices": [{"index": 0, **choice}]}
+
+
+class Upstreams:
+    """Mock render/prefill/decode servers that record what each received."""
+
+    def __init__(self, decode_stream: bytes, refused: set[str] = frozenset()):  # type: ignore[assignment]
+        self.seen: list[tuple[str, dict[str, str], Any]] = []
+        self.decode_stream = decode_stream
+        self.refused = refused
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if host in self.refused:
+            raise httpx.ConnectError("refused", request=request)
+        body = json.loads(request.content) if request.content else None
+        self.seen.append((host, dict(request.headers), body))
+        if request.url.path.endswith("/render"):
+            return httpx.Response(200, json=RENDERED)
+        if host == "prefill":
+            return httpx.Response(200, json={"request_id": "x", "choices": [], "kv_transfer_params": KV})
+        return httpx.Response(200, content=self.decode_stream, headers={"content-type": "text/event-stream"})
+
+
+def run(upstreams: Upstreams, decode_hosts: tuple[str, ...] = ("decode",)) -> tuple[list[str], Orchestrator]:
+    async def go() -> tuple[list[str], Orchestrator]:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(upstreams))
+        pools = [Pool("render", ["http://render"]), Pool("prefill", ["http://prefill"]),
+                 Pool("decode", [f"http://{h}" for h in decode_hosts])]
+        for pool in pools:
+            for member in pool.members:
+                pool.mark_up(member)
+        orch = Orchestrator(client, *pools, "inline", ProxyMetrics())
+        prepared = await orch.prepare("chat", CHAT, "rid")
+        member, response = await orch.open_stream(prepared)
+        events = [e async for e in orch.events(prepared, member, response)]
+        await client.aclose()
+        return events, orch
+
+    return asyncio.run(go())
+
+
+def present(delta: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in delta.items() if v is not None}
+
+
+def payloads(events: list[str]) -> list[Any]:
+    assert events[-1] == "data: [DONE]\n\n"
+    return [json.loads(e[len("data: "):]) for e in events[:-1]]
+
+
+def test_every_leg_carries_the_request_id_and_the_decode_leg_the_prefills_params() -> None:
+    upstreams = Upstreams(sse(chunk(delta={"role": "assistant", "content": "hi"}), chunk(delta={}, token_ids=[7]),
+                              chunk(delta={"content": "!"}, finish_reason="stop")))
+    events = payloads(run(upstreams)[0])
+    assert [(host, headers["x-request-id"]) for host, headers, _ in upstreams.seen] == \
+        [("render", "rid"), ("prefill", "rid"), ("decode", "rid")]
+    prefill, decode = upstreams.seen[1][2], upstreams.seen[2][2]
+    assert prefill["kv_transfer_params"] == {"do_remote_decode": True} and prefill["sampling_params"]["max_tokens"] == 1
+    assert decode["kv_transfer_params"] == KV and decode["output_mode"] == "derender"
+    assert decode["sampling_params"] == RENDERED["sampling_params"] and decode["parse_context"] == RENDERED["parse_context"]
+    # The role opens the stream on its own; the step with nothing for the client is left out.
+    assert [present(e["choices"][0]["delta"]) for e in events] == [{"role": "assistant", "content": ""}, {"content": "hi"},
+                                                           {"content": "!"}]
+    assert {e["id"] for e in events} == {"chatcmpl-rid"} and events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_tool_call_deltas_and_usage_are_relayed() -> None:
+    call = {"index": 0, "id": "call-1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    upstreams = Upstreams(sse(chunk(delta={"role": "assistant", "tool_calls": [call]}, finish_reason="tool_calls"),
+                              {"request_id": "x", "output_mode": "derender", "choices": [], "usage": usage}))
+    events = payloads(run(upstreams)[0])
+    assert present(events[1]["choices"][0]["delta"]) == {"tool_calls": [call]}
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == usage
+    assert events[-1]["object"] == "chat.completion.chunk"
+
+
+def test_an_upstream_error_event_is_relayed_then_done() -> None:
+    error = {"error": {"message": "engine error: boom", "type": "InternalServerError", "param": None, "code": 500}}
+    events = payloads(run(Upstreams(sse(chunk(delta={"content": "a"}), error)))[0])
+    assert events[-1] == error and len(events) == 3
+
+
+def test_a_stream_that_breaks_off_is_an_error_event_naming_the_member() -> None:
+    events, _ = run(Upstreams(sse(chunk(delta={"content": "a"}), done=False)))
+    message = payloads(events)[-1]["error"]["message"]
+    assert "decode server http://decode ended the stream without [DONE]" in message
+
+
+def test_a_refused_member_is_skipped_and_taken_out_of_rotation() -> None:
+    upstreams = Upstreams(sse(chunk(delta={"content": "a"}, finish_reason="stop")), refused={"d0"})
+    events, orch = run(upstreams, ("d0", "d1"))
+    assert payloads(events)[-1]["choices"][0]["finish_reason"] == "stop"
+    assert [host for host, _, _ in upstreams.seen][-1] == "d1"
+    assert [(m.url, m.healthy) for m in orch.decode.members] == [("http://d0", False), ("http://d1", True)]
+
+
+def test_a_dead_pool_is_a_503_naming_it() -> None:
+    upstreams = Upstreams(b"", refused={"prefill"})
+    with pytest.raises(UpstreamError) as e:
+        run(upstreams)
+    assert e.value.status == 503
+    assert e.value.body["error"]["message"] == \
+        "no healthy server in the prefill pool (http://prefill: unreachable (ConnectError))"
+
+
+def test_an_upstream_4xx_keeps_its_status_and_body() -> None:
+    error = {"error": {"message": "bad tool_choice", "type": "BadRequestError", "param": "tool_choice", "code": 400}}
+
+    class Refusing(Upstreams):
+        def __call__(self, request: httpx.Request) -> httpx.Response:
+            return httpx.Response(400, json=error)
+
+    with pytest.raises(UpstreamError) as e:
+        run(Refusing(b""))
+    assert (e.value.status, e.value.body) == (400, error)

@@ -1,0 +1,41 @@
+"""``pdserve up``'s plan: which flags each pool gets, and the ports (nothing is started here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.topology.plan import TopologyRequest, plan
+
+PARSERS = ("--reasoning-parser", "qwen3")
+
+
+def _args(spec_args: tuple[str, ...], flag: str) -> str:
+    return spec_args[spec_args.index(flag) + 1]
+
+
+def test_each_pool_gets_its_flags_and_the_proxy_every_url() -> None:
+    req = TopologyRequest(model="qwen3-tiny", tokenizer_dir="/models/q", prefill=2, decode=1, mode="derender-tier",
+                          parser_flags=PARSERS, serve_flags=("--max-model-len", "512", "--max-num-seqs=4"),
+                          proxy_flags=("--api-key", "k"))
+    specs = plan(req, lambda k: 9000 + k)
+    assert [s.name for s in specs] == ["render", "prefill-0", "prefill-1", "decode-0", "proxy"]
+    assert [s.port for s in specs] == [9001, 9002, 9003, 9004, 9000]
+    render, prefill, _, decode, proxy = specs
+    assert render.args[:4] == ("launch", "render", "--tokenizer", "/models/q")
+    assert "--reasoning-parser" in render.args and _args(render.args, "--max-model-len") == "512"
+    assert "--max-num-seqs=4" not in render.args
+    assert prefill.args[:3] == ("serve", "qwen3-tiny", "--tokens-only")
+    assert "--reasoning-parser" not in prefill.args  # a --tokens-only server takes no parser
+    for server in (prefill, decode):
+        assert _args(server.args, "--kv-transfer") == "nixl" and "--max-num-seqs=4" in server.args
+        assert _args(server.args, "--host") == "127.0.0.1" and _args(server.args, "--port") == str(server.port)
+    assert "--reasoning-parser" in decode.args and "--tokens-only" not in decode.args
+    assert _args(proxy.args, "--prefill") == "http://127.0.0.1:9002,http://127.0.0.1:9003"
+    assert _args(proxy.args, "--decode") == "http://127.0.0.1:9004"
+    assert _args(proxy.args, "--render") == "http://127.0.0.1:9001"
+    assert _args(proxy.args, "--mode") == "derender-tier" and _args(proxy.args, "--api-key") == "k"
+
+
+def test_a_pool_needs_a_server() -> None:
+    with pytest.raises(ValueError, match="at least one server"):
+        plan(TopologyRequest(model="m", tokenizer_dir="d", decode=0), lambda k: k)
