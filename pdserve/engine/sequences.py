@@ -37,6 +37,7 @@ class ScheduledRequest:
     sequences: list[ScheduledSequence] = field(default_factory=list)
     kv_export: bool = False  # a prefill leg: export the prompt's KV when it finishes
     kv_pulled: bool = False  # a decode leg whose prompt KV was pulled into the pool
+    scheduled_at: float | None = None  # time.monotonic() of its admission into the running batch
     # The prefill's KV of the last prompt position, until the first decode step has run it.
     kv_prompt_tail: torch.Tensor | None = None
 

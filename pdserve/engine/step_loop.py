@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -177,6 +178,7 @@ class StepLoop:
         if self.kv is not None:
             self._advance_pulls()
         for req in self.scheduler.admit():
+            req.scheduled_at = time.monotonic()
             self._prefill(req)
         if self.scheduler.running:
             self._decode()
@@ -237,6 +239,7 @@ class StepLoop:
                     finish_reason=finish,
                     stop_reason=reason,
                     kv_transfer_params=kv_params,
+                    scheduled_at=seq.request.scheduled_at if len(seq.output) == 1 else None,
                 )
             )
             if finish is not None:

@@ -203,6 +203,7 @@ class RequestState:
         if out.kv_transfer_params is not None:
             self.kv_transfer_params = out.kv_transfer_params
         self.timing.tokens(len(out.new_token_ids))
+        self.timing.scheduled_at(out.scheduled_at)
         return self.choices[out.index].add(out)
 
     def abort_unfinished(self) -> list[ChoiceUpdate]:

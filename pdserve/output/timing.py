@@ -4,11 +4,12 @@ vLLM fills its ``PerRequestMetrics`` only on chat/completions; pdserve fills the
 generate (every output mode, batch and stream) and the coupled endpoints, so a client can tell
 queueing and network time from generation. The frontend stamps three instants with
 ``time.monotonic()``: the request's arrival (when its request state is created, after parsing
-and validation), the first engine output that carries a token, and the last one. The engine
-stamps nothing yet, so ``queue_time_ms`` (arrival → first scheduled, which only the engine
-knows) is null.
+and validation), the first engine output that carries a token, and the last one; the engine
+stamps when the request first ran in a step (``EngineOutput.scheduled_at``, the same monotonic
+clock: engine and frontend run on one host).
 
 * ``time_to_first_token_ms``: arrival → first token.
+* ``queue_time_ms``: arrival → first scheduled by the engine (null from an engine that does not say).
 * ``generation_time_ms``: first token → last token (the decode phase).
 * ``mean_itl_ms``: ``generation_time_ms / (tokens − 1)``; null below two tokens.
 * ``tokens_per_second``: output tokens / (arrival → last token).
@@ -26,6 +27,12 @@ class RequestTiming:
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     last_token: float | None = None
+    scheduled: float | None = None
+
+    def scheduled_at(self, when: float | None) -> None:
+        """The engine says when the request first ran (the first such stamp counts)."""
+        if when is not None and self.scheduled is None:
+            self.scheduled = when
 
     def tokens(self, count: int, now: float | None = None) -> None:
         """``count`` output tokens arrived from the engine (stamps only when count > 0)."""
@@ -46,5 +53,6 @@ class RequestTiming:
                 itl = gen / (output_tokens - 1)
             total = self.last_token - self.arrival
             rate = output_tokens / total if total > 0 else None
-        return {"time_to_first_token_ms": ttft, "queue_time_ms": None, "generation_time_ms": gen,
+        queue = None if self.scheduled is None else max(0.0, self.scheduled - self.arrival) * 1000
+        return {"time_to_first_token_ms": ttft, "queue_time_ms": queue, "generation_time_ms": gen,
                 "mean_itl_ms": itl, "tokens_per_second": rate}

@@ -114,6 +114,9 @@ class EngineOutput(msgspec.Struct, kw_only=True):
     stop_reason: int | str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     num_cached_tokens: int = 0
+    # time.monotonic() (one clock for every process of a host) when the request first ran in a step;
+    # set on a request's first outputs only, so the frontend can tell queueing from generation.
+    scheduled_at: float | None = None
 
     @property
     def finished(self) -> bool:

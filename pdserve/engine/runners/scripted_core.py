@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -229,10 +230,13 @@ class ScriptedCore:
             return [], None
         sampling = live.request.sampling
         outputs: list[EngineOutput] = []
+        now = time.monotonic()
         for seq in running:
             if live.script.fail_after is not None and seq.produced >= live.script.fail_after:
                 return outputs, EngineError(f"scripted failure after {seq.produced} tokens")
             out = self._step(seq, live.request, live.budget)
+            if live.first:
+                out.scheduled_at = now
             if live.first and sampling.prompt_logprobs is not None and seq.index == 0:
                 out.prompt_logprobs = self._prompt_logprobs(live.request)
             if out.finished:
