@@ -197,19 +197,25 @@ def _run_with_core(config: ServerConfig, tokenizer: Tokenizer | None, parsers: P
     from pdserve.engine.core_client import EngineCoreClient
 
     assert config.engine is not None
+    # The port is taken before the core starts: loading a model takes seconds, and the core's NIXL
+    # agent (UCX) opens sockets on ephemeral ports, which could be the very port this server was given.
+    # With several frontends, this socket holds the port (SO_REUSEPORT) while they bind their own.
+    sock = _bind(config.host, config.port, reuse_port=config.api_server_count > 1)
     try:
         handle = start_engine_core(config.engine)
     except (EngineError, ValueError) as e:
+        sock.close()
         print(f"pdserve: the engine core failed to start: {e}", file=sys.stderr)
         return 2
     config = replace(config, engine_core_addresses={"endpoint": handle.addresses.endpoint})
     try:
         if config.api_server_count == 1:
             engine = EngineCoreClient(handle.addresses)
-            _serve_app(config, engine, tokenizer, parsers, _bind(config.host, config.port, reuse_port=False))
+            _serve_app(config, engine, tokenizer, parsers, sock)
             return 0
         return _supervise_frontends(config, handle)
     finally:
+        sock.close()
         handle.shutdown()
 
 
