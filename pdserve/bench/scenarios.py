@@ -448,9 +448,14 @@ def pd_vs_one(p: Profile, docs: Path) -> Section:
         pulls = prometheus_sum(s["decode"].url, "pdserve_kv_pull_seconds_count")
         pull_s = prometheus_sum(s["decode"].url, "pdserve_kv_pull_seconds_sum")
         failed = prometheus_sum(s["decode"].url, "pdserve_kv_pulls_failed_total")
+        tokens = prometheus_sum(s["decode"].url, "pdserve_kv_pulled_tokens_total")
+        pulled_bytes = prometheus_sum(s["decode"].url, "pdserve_kv_pulled_bytes_total")
     pd, one = cell(result, "P/D via proxy"), cell(result, "one server")
-    transfer = (f"{pulls:.0f} KV pulls averaged {_ms(pull_s / pulls * 1000)} (READ start to end), {failed:.0f} failed"
-                if pulls else "no KV pull was recorded (the decode server prefilled every request itself)")
+    per_1k = (f"; per 1k prompt tokens {pulled_bytes / tokens * 1000 / 2**20:.1f} MiB in "
+              f"{_ms(pull_s / tokens * 1000 * 1000)}" if tokens else "")
+    transfer = (f"{pulls:.0f} KV pulls averaged {_ms(pull_s / pulls * 1000)} (READ start to end){per_1k}, "
+                f"{failed:.0f} failed" if pulls else "no KV pull was recorded (the decode server prefilled every "
+                "request itself)")
     headline = (f"At C={pd['max_concurrency']}, P/D through the proxy had TTFT p50 {_ms(pd['median_ttft_ms'])} against "
                 f"{_ms(one['median_ttft_ms'])} on one server and E2EL p50 "
                 f"{_x(ratio(pd['median_e2el_ms'], one['median_e2el_ms']))} of it; {transfer}.")

@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from pdserve.protocol.engine import EngineStats
-from pdserve.protocol.kv import PULL_SECONDS_BUCKETS, KVStats
+from pdserve.protocol.kv import PULL_SECONDS_BUCKETS, KVAgentInfo, KVStats
 
 # KV hand-off counters (cumulative) and gauges (now): (KVStats field, metric name, help).
 _KV_COUNTERS = (
@@ -49,7 +49,8 @@ def _kv_metrics(kv: KVStats) -> Iterator[Metric]:
 class _EngineStatsCollector(Collector):
     """Reads the engine's live counters at scrape time."""
 
-    def __init__(self, stats: Callable[[], EngineStats]):
+    def __init__(self, stats: Callable[[], EngineStats], kv_pool: Callable[[], KVAgentInfo | None]):
+        self._kv_pool = kv_pool
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
@@ -69,10 +70,15 @@ class _EngineStatsCollector(Collector):
         )
         if stats.kv is not None:
             yield from _kv_metrics(stats.kv)
+        elif (pool := self._kv_pool()) is not None:  # before the core's first heartbeat: series exist from the start
+            yield from _kv_metrics(KVStats(pool_blocks=pool.num_blocks, free_blocks=pool.num_blocks))
 
 
 class Metrics:
-    def __init__(self, engine_stats: Callable[[], EngineStats] | None = None):
+    def __init__(
+        self, engine_stats: Callable[[], EngineStats] | None = None,
+        kv_pool: Callable[[], KVAgentInfo | None] = lambda: None,
+    ):
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "pdserve_requests",
@@ -94,4 +100,4 @@ class Metrics:
             registry=self.registry,
         )
         if engine_stats is not None:
-            self.registry.register(_EngineStatsCollector(engine_stats))
+            self.registry.register(_EngineStatsCollector(engine_stats, kv_pool))

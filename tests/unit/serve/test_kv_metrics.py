@@ -1,0 +1,36 @@
+"""KV hand-off series in /metrics: present from the start (before the engine core's first heartbeat), then
+the engine's counters, with the pull-latency histogram cumulative as Prometheus wants it."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from pdserve.protocol.engine import EngineStats
+from pdserve.protocol.kv import KVAgentInfo, KVLayout, KVStats
+from pdserve.serve.metrics import Metrics
+
+POOL = KVAgentInfo(engine_id="e", backend="nixl", agent_metadata=b"", base_address=0, num_blocks=64,
+                   layout=KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, dtype="float32", itemsize=4))
+
+
+def scrape(stats: EngineStats, pool: KVAgentInfo | None) -> str:
+    return generate_latest(Metrics(lambda: stats, lambda: pool).registry).decode()
+
+
+def test_series_exist_before_the_first_heartbeat_and_only_with_kv_transfer() -> None:
+    text = scrape(EngineStats(), POOL)
+    assert "pdserve_kv_pool_blocks 64.0" in text and "pdserve_kv_free_blocks 64.0" in text
+    assert "pdserve_kv_pulled_bytes_total 0.0" in text
+    assert "pdserve_kv_" not in scrape(EngineStats(), None)
+
+
+def test_engine_counters_and_a_cumulative_histogram() -> None:
+    kv = KVStats(pool_blocks=64, free_blocks=60, held_blocks=4, pulls_ok=3, pulled_bytes=4096)
+    for seconds in (0.0005, 0.004, 20.0):
+        kv.observe_pull(seconds)
+    text = scrape(EngineStats(kv=kv, prompt_tokens_computed=7), POOL)
+    assert "pdserve_kv_held_blocks 4.0" in text and "pdserve_kv_pulled_bytes_total 4096.0" in text
+    assert "pdserve_engine_prompt_tokens_computed_total 7.0" in text
+    assert 'pdserve_kv_pull_seconds_bucket{le="0.001"} 1.0' in text
+    assert 'pdserve_kv_pull_seconds_bucket{le="0.005"} 2.0' in text
+    assert 'pdserve_kv_pull_seconds_bucket{le="+Inf"} 3.0' in text and "pdserve_kv_pull_seconds_count 3.0" in text
