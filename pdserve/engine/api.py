@@ -10,7 +10,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol, runtime_checkable
 
-from pdserve.protocol.engine import EngineInfo, EngineOutput, EngineRequest, EngineStats
+from pdserve.protocol.engine import (
+    ABORT_BY_CLIENT,
+    ABORT_FOR_SHUTDOWN,
+    EngineInfo,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+)
 
 
 class EngineError(RuntimeError):
@@ -24,6 +31,22 @@ class EngineDeadError(EngineError):
 class KVLoadError(EngineError):
     """A decode leg's KV could not be pulled from its prefill engine (``--kv-load-failure-policy fail``):
     the peer is gone, its lease expired, or the transfer failed. Answered as a 502."""
+
+
+class RequestAborted(EngineError):
+    """A request ended with an abort its client did not ask for: the engine's own (it shut down, vLLM
+    dropped it; ``cause`` None) or the server's (shutdown). Answered as an error naming the cause, never
+    as a success-shaped ``finish_reason: "abort"``."""
+
+    def __init__(self, cause: str | None) -> None:
+        self.cause = cause
+        if cause == ABORT_FOR_SHUTDOWN:
+            text = "the server is shutting down: the request did not finish within --shutdown-timeout"
+        elif cause is None:
+            text = "the engine aborted the request on its own (it shut down or dropped it) before it finished"
+        else:
+            text = f"the server aborted the request ({cause}) before it finished"
+        super().__init__(text)
 
 
 @runtime_checkable
@@ -42,12 +65,14 @@ class Engine(Protocol):
         """Run a request; yields outputs until every sequence has a finish_reason.
 
         An aborted request still ends with one ``finish_reason="abort"`` output per
-        unfinished sequence. Raises EngineError / EngineDeadError on failure.
+        unfinished sequence, carrying the ``cause`` its :meth:`abort` gave (None when the
+        engine aborted it on its own). Raises EngineError / EngineDeadError on failure.
         Closing the iterator early aborts the request.
         """
 
-    async def abort(self, request_ids: list[str]) -> None:
-        """Abort whole requests by id; unknown ids are ignored."""
+    async def abort(self, request_ids: list[str], cause: str = ABORT_BY_CLIENT) -> None:
+        """Abort whole requests by id (engine ids or client ids, see request_ids.matching); unknown ids
+        are ignored. ``cause`` comes back as the abort outputs' ``abort_cause``."""
 
     async def stop_sequence(self, request_id: str, index: int) -> None:
         """The frontend finished one sequence itself (stop string): free it, emit nothing more for it."""

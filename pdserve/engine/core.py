@@ -53,7 +53,7 @@ from pdserve.engine.messages import (
 )
 from pdserve.engine.spec import EngineSpec
 from pdserve.engine.stepping import StepCore
-from pdserve.protocol.engine import EngineInfo
+from pdserve.protocol.engine import ABORT_BY_CLIENT, EngineInfo
 
 HEARTBEAT_INTERVAL_S = 0.5
 
@@ -233,12 +233,12 @@ class CoreServer:
         elif isinstance(message, AddRequest):
             self._add(identity, message)
         elif isinstance(message, AbortRequests):
-            self.core.abort(message.request_ids)
+            self.core.abort(message.request_ids, message.cause)
         elif isinstance(message, StopSequence):
             self.core.stop_sequence(message.request_id, message.index)
         elif isinstance(message, Goodbye):
             self.clients.discard(identity)
-            self.core.abort([rid for rid, owner in self.owners.items() if owner == identity])
+            self.core.abort([rid for rid, owner in self.owners.items() if owner == identity], ABORT_BY_CLIENT)
 
     def _add(self, identity: bytes, message: AddRequest) -> None:
         rid = message.request.request_id

@@ -37,7 +37,7 @@ from pdserve.engine.messages import (
     StepOutputs,
     StopSequence,
 )
-from pdserve.protocol.engine import EngineInfo, EngineOutput, EngineRequest, EngineStats
+from pdserve.protocol.engine import ABORT_BY_CLIENT, EngineInfo, EngineOutput, EngineRequest, EngineStats
 
 # A client gives up on a core that has been silent this long (the pid check is faster
 # when the core runs on the same host, which is always the case today). The core beats
@@ -136,9 +136,9 @@ class EngineCoreClient:
     def stats(self) -> EngineStats:
         return self._stats
 
-    async def abort(self, request_ids: list[str]) -> None:
+    async def abort(self, request_ids: list[str], cause: str = ABORT_BY_CLIENT) -> None:
         if request_ids and self._dead is None:
-            self._send(AbortRequests(list(request_ids)))
+            self._send(AbortRequests(list(request_ids), cause))
 
     async def stop_sequence(self, request_id: str, index: int) -> None:
         if self._dead is None:

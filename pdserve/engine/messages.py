@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.protocol.engine import EngineInfo, EngineOutput, EngineRequest, EngineStats
+from pdserve.protocol.engine import ABORT_BY_CLIENT, EngineInfo, EngineOutput, EngineRequest, EngineStats
 
 # -- commands (client -> step loop) -----------------------------------------------------
 
@@ -20,6 +20,7 @@ class AddRequest(msgspec.Struct, tag="add"):
 
 class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]
+    cause: str = ABORT_BY_CLIENT
 
 
 class StopSequence(msgspec.Struct, tag="stop"):

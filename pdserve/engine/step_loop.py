@@ -24,8 +24,8 @@ import torch
 from pdserve.engine.api import EngineError
 from pdserve.engine.kv.handoff import KVHandoff
 from pdserve.engine.messages import KV_LOAD_FAILED, RequestFailed, StepOutputs
-from pdserve.engine.request_ids import matching
 from pdserve.engine.models import KVCache, LlamaForCausalLM
+from pdserve.engine.request_ids import matching
 from pdserve.engine.sampler import GREEDY_TEMPERATURE, SequenceState, request_rules, sample, token_logprobs
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequences import ScheduledRequest, ScheduledSequence
@@ -134,12 +134,12 @@ class StepLoop:
             return
         self.scheduler.add(req)
 
-    def abort(self, request_ids: Iterable[str]) -> None:
+    def abort(self, request_ids: Iterable[str], cause: str | None) -> None:
         for rid in matching(request_ids, list(self.requests)):
             req = self.requests[rid]
             self.scheduler.remove_waiting(rid)
             for seq in sorted((s for s in req.sequences if s.live), key=lambda s: -s.slot):
-                self._emit(EngineOutput(request_id=rid, index=seq.index, finish_reason="abort"))
+                self._emit(EngineOutput(request_id=rid, index=seq.index, finish_reason="abort", abort_cause=cause))
                 self._retire(seq)
 
     def stop_sequence(self, request_id: str, index: int) -> None:

@@ -23,7 +23,8 @@ class StepCore(Protocol):
 
     def add(self, request: EngineRequest) -> None: ...
 
-    def abort(self, request_ids: list[str]) -> None: ...
+    def abort(self, request_ids: list[str], cause: str | None) -> None:
+        """End the requests; each unfinished sequence emits ``finish_reason="abort"`` with ``cause``."""
 
     def stop_sequence(self, request_id: str, index: int) -> None: ...
 
@@ -46,6 +47,6 @@ def apply(core: StepCore, command: Command) -> None:
     if isinstance(command, AddRequest):
         core.add(command.request)
     elif isinstance(command, AbortRequests):
-        core.abort(command.request_ids)
+        core.abort(command.request_ids, command.cause)
     elif isinstance(command, StopSequence):
         core.stop_sequence(command.request_id, command.index)

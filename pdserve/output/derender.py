@@ -6,7 +6,9 @@ advances it by one generate chunk (:func:`advance`). Both go through the same
 :class:`~pdserve.output.request_state.ChoiceState` (detokenizer, parser, logprob decoder) as the
 inline path, so their output equals inline output by construction. The parsed path replays every
 earlier chunk (O(n) per call, as in vLLM); the plain path replays only a short tail, enough to
-rebuild a character split across tokens.
+rebuild a character split across tokens. With a :class:`Resume`, a chunk that follows the previous
+one of its stream on this server continues the live state that chunk left behind
+(:mod:`pdserve.output.derender_cache`) instead, with the same result.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from pdserve.output.derender_cache import DerenderCache, StreamKey
 from pdserve.output.policy import assistant_delta
 from pdserve.output.request_state import ChoiceState, ChoiceUpdate, OutputConfig
 from pdserve.protocol.derender import DerenderStreamState
@@ -87,10 +90,13 @@ def carried_state(
             param="stream_state.output_token_ids",
         )
     for name in ("output_token_ids", "logprob_context_token_ids"):
-        if any(t < 0 or t >= tokenizer.vocab_size for t in getattr(previous, name)):
+        ids = getattr(previous, name)
+        # Ids are >= 0 by their wire type; max() is one C loop over what may be the whole output.
+        if ids and max(ids) >= tokenizer.vocab_size:
             raise RequestError(f"invalid stream_state: {name} has ids outside the vocabulary",
                                param=f"stream_state.{name}")
-    if parsed and sum(previous.output_chunk_lens) != len(previous.output_token_ids):
+    # Chunk lengths, where there are any, sum to the ids' count (the wire type checks that).
+    if parsed and previous.output_token_ids and not previous.output_chunk_lens:
         raise RequestError("invalid stream_state: output_chunk_lens must sum to len(output_token_ids) (the "
                            "parser replays every earlier chunk)", param="stream_state.output_chunk_lens")
     return previous
@@ -121,17 +127,31 @@ def replay(config: OutputConfig, stream_state: DerenderStreamState, parsed: bool
 
 
 def next_state(previous: DerenderStreamState, delta_ids: Sequence[int], parsed: bool) -> DerenderStreamState:
-    """The state to hand back after this chunk's ids (the role counts as sent from now on)."""
-    new = previous.model_copy(deep=True)
-    new.role_sent = True
-    new.logprob_context_token_ids = (previous.logprob_context_token_ids + list(delta_ids))[-REPAIR_CONTEXT:]
+    """The state to hand back after this chunk's ids (the role counts as sent from now on).
+
+    Lists that change are built anew and the others shared, never deep-copied: the output ids
+    are the bulk of the state, and a deep copy of them costs more than the rest of a cached chunk.
+    """
+    update: dict[str, object] = {
+        "role_sent": True,
+        "logprob_context_token_ids": (previous.logprob_context_token_ids + list(delta_ids))[-REPAIR_CONTEXT:],
+        "last_tool_call_ids": list(previous.last_tool_call_ids),  # _pin_tool_call_ids appends to it
+    }
     if delta_ids:
         if parsed:
-            new.output_token_ids = previous.output_token_ids + list(delta_ids)
-            new.output_chunk_lens = previous.output_chunk_lens + [len(delta_ids)]
+            update["output_token_ids"] = previous.output_token_ids + list(delta_ids)
+            update["output_chunk_lens"] = previous.output_chunk_lens + [len(delta_ids)]
         else:
-            new.output_token_ids = (previous.output_token_ids + list(delta_ids))[-PLAIN_REPLAY_IDS:]
-    return new
+            update["output_token_ids"] = (previous.output_token_ids + list(delta_ids))[-PLAIN_REPLAY_IDS:]
+    return previous.model_copy(update=update)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where :func:`advance` looks for the live state of this choice's stream and leaves the next one."""
+
+    cache: DerenderCache[ChoiceState]
+    stream: StreamKey
 
 
 @dataclass
@@ -159,15 +179,25 @@ def _pin_tool_call_ids(update: ChoiceUpdate, state: DerenderStreamState) -> None
 
 def advance(
     config: OutputConfig, previous: DerenderStreamState, parsed: bool, chunk: GenerateTokensStreamChoice,
-    request_id: str, top_limit: int | None,
+    request_id: str, top_limit: int | None, resume: Resume | None = None,
 ) -> StreamStep:
     """Replay ``previous`` (already checked by :func:`carried_state`) and feed it this chunk.
+
+    With ``resume``, the state a previous call left for exactly this stream and output is
+    continued instead of a replay, and the advanced state is left for the next chunk (unless the
+    choice finished: a replay after the last chunk would not know it finished). Only the choice
+    state is cached; everything else comes from ``previous`` as on a replay, so the response is
+    the same either way.
 
     The update carries the chunk's own ids and its logprobs, decoded here with the carried context
     (they belong to this chunk's ids, not to the text it happens to release); they and the ids are
     withheld where the request hides reasoning. The role is named on the first delta of a stream.
     """
-    cs = replay(config, previous, parsed, chunk.index, request_id)
+    cs = None
+    if resume is not None and previous.output_token_ids:  # nothing consumed yet: nothing to look up
+        cs = resume.cache.take(resume.stream, previous.output_token_ids, previous.output_chunk_lens)
+    if cs is None:
+        cs = replay(config, previous, parsed, chunk.index, request_id)
     delta_ids = chunk.token_ids or []
     update = cs.add(EngineOutput(
         request_id=request_id, index=chunk.index, new_token_ids=delta_ids,
@@ -176,6 +206,8 @@ def advance(
     if update is None:
         raise RequestError("invalid stream_state: this choice already finished")
     state = next_state(previous, delta_ids, parsed)
+    if resume is not None and not cs.finished and state.output_token_ids:  # an empty state is never looked up
+        resume.cache.put(resume.stream, state.output_token_ids, state.output_chunk_lens, cs)
     _pin_tool_call_ids(update, state)
     if not previous.role_sent:  # even when the parser held this chunk's text back (vLLM names the role first)
         update.delta = assistant_delta(update.delta)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pdserve.output import live
 from pdserve.output.timing import RequestTiming
 from pdserve.protocol.engine import EngineOutput, PositionLogprobs
 from pdserve.protocol.generate import OutputMode
@@ -190,6 +191,7 @@ class RequestState:
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.kv_transfer_params: dict | None = None
         self.timing = RequestTiming()  # for --enable-per-request-metrics
+        live.request_states.add(self)
 
     @property
     def finished(self) -> bool:
@@ -205,16 +207,6 @@ class RequestState:
         self.timing.tokens(len(out.new_token_ids))
         self.timing.scheduled_at(out.scheduled_at)
         return self.choices[out.index].add(out)
-
-    def abort_unfinished(self) -> list[ChoiceUpdate]:
-        """Terminal ``abort`` updates for choices the engine never finished (flushes held-back text)."""
-        updates = []
-        for choice in self.choices:
-            if not choice.finished:
-                update = choice.add(EngineOutput(request_id=self.request_id, index=choice.index, finish_reason="abort"))
-                if update is not None:
-                    updates.append(update)
-        return updates
 
     @property
     def completion_tokens(self) -> int:

@@ -60,7 +60,7 @@ class DerenderStreamState(BaseModel):
     @model_validator(mode="after")
     def _offsets_are_consistent(self) -> DerenderStreamState:
         if self.output_chunk_lens and (
-            any(n <= 0 for n in self.output_chunk_lens) or sum(self.output_chunk_lens) != len(self.output_token_ids)
+            min(self.output_chunk_lens) <= 0 or sum(self.output_chunk_lens) != len(self.output_token_ids)
         ):
             raise ValueError("output_chunk_lens must be positive and sum to len(output_token_ids)")
         if not self.prefix_offset <= self.read_offset <= len(self.prev_tokens):

@@ -98,6 +98,14 @@ class PositionLogprobs(msgspec.Struct, array_like=True):
     ranks: list[int]
 
 
+# The abort cause of a client's own abort (/abort_requests, or a client that left): the only abort that
+# ends a stream with finish_reason "abort" rather than an error.
+ABORT_BY_CLIENT = "client"
+# The server's own aborts: SIGTERM's --shutdown-timeout passed; a client read nothing for --stream-idle-timeout.
+ABORT_FOR_SHUTDOWN = "shutdown"
+ABORT_IDLE_STREAM = "idle stream"
+
+
 class EngineOutput(msgspec.Struct, kw_only=True):
     """One step's worth of output for one sequence (``index``) of a request."""
 
@@ -117,6 +125,10 @@ class EngineOutput(msgspec.Struct, kw_only=True):
     # time.monotonic() (one clock for every process of a host) when the request first ran in a step;
     # set on a request's first outputs only, so the frontend can tell queueing from generation.
     scheduled_at: float | None = None
+    # With finish_reason "abort": why, as the frontend said when it aborted (ABORT_BY_CLIENT, or the
+    # server's own reason: shutdown, an idle stream). None: the engine aborted on its own (it shut down,
+    # vLLM dropped the request), which the frontend reports as a failure, never as a normal end.
+    abort_cause: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -20,7 +20,7 @@ class RequestError(ValueError):
     """A request the server cannot serve as sent; rendered as an HTTP error with this message."""
 
     def __init__(self, message: str, *, param: str | None = None, status: int = 400, kind: str = "BadRequestError",
-                 close: bool = False):
+                 close: bool = False, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
@@ -28,6 +28,7 @@ class RequestError(ValueError):
         self.kind = kind
         # Close the connection after answering: the rest of the request (an oversized body) is not read.
         self.close = close
+        self.headers = headers  # e.g. Retry-After on a 503
 
     def to_response(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.kind, param=self.param, code=self.status))

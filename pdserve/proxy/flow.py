@@ -19,10 +19,10 @@ from typing import Any, Literal
 
 import httpx
 
+from pdserve.protocol.sse import DONE, sse_event
 from pdserve.proxy import relay
 from pdserve.proxy.legs import decode_body, prefill_body
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.protocol.sse import DONE, sse_event
 from pdserve.proxy.modes import Mode
 from pdserve.proxy.pool import Member, Pool
 from pdserve.proxy.upstream import UpstreamError, error_body, post_json, send

@@ -7,6 +7,7 @@ and :mod:`~pdserve.serve.responses`).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
@@ -14,8 +15,10 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 
 from pdserve.engine.api import Engine
+from pdserve.output.derender_cache import DerenderCache
 from pdserve.serve.config import ServerConfig
-from pdserve.serve.http import install_auth, install_error_handlers, install_openapi_bodies
+from pdserve.serve.http import Gate, install_error_handlers, install_openapi_bodies
+from pdserve.serve.inflight import watch_idle_streams
 from pdserve.serve.metrics import Metrics
 from pdserve.serve.routes import admin, derender, generate, openai
 from pdserve.serve.state import AppState
@@ -33,23 +36,34 @@ def create_app(
     ``parser_config`` is the validated --reasoning-parser/--tool-call-parser setup (None: no parser)."""
     metrics = Metrics(engine.stats if engine is not None else None, lambda: engine.info.kv if engine is not None else None)
     state = AppState(config=config, engine=engine, tokenizer=tokenizer, metrics=metrics, parser_config=parser_config)
+    entries, ttl = config.derender_cache_entries, config.derender_cache_ttl_s
+    state.derender_cache = metrics.watch_derender_cache(DerenderCache(entries, ttl) if entries else None)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if engine is not None and owns_engine:
             await engine.start()
+        if engine is not None and config.max_waiting_requests is not None:  # info: known once started
+            state.inflight.capacity = engine.info.max_num_seqs + config.max_waiting_requests
+        watcher = None
+        if config.stream_idle_timeout_s is not None:
+            watcher = asyncio.ensure_future(watch_idle_streams(
+                state.inflight, config.stream_idle_timeout_s, metrics.idle_streams_closed.inc
+            ))
         try:
             yield
         finally:
+            if watcher is not None:
+                watcher.cancel()
             if engine is not None and owns_engine:
                 await engine.shutdown()
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
     app.state.pdserve = state
+    # The gate (draining 503, API key) sits inside the 5xx counter, which is outermost.
+    app.add_middleware(Gate, api_key=config.api_key, inflight=state.inflight)
     install_error_handlers(app)
     install_openapi_bodies(app)
-    if config.api_key:
-        install_auth(app, config.api_key)
     app.include_router(admin.router)
     if engine is not None:
         app.include_router(generate.router)

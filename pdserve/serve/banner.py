@@ -57,6 +57,22 @@ def _routes_line(state: AppState) -> str:
     return ", ".join([*routes, "/v1/models", "/health", "/metrics"])
 
 
+def _limits_line(state: AppState) -> str:
+    """What protects the server under load (docs/reliability.md)."""
+    config = state.config
+    parts = []
+    if state.engine is not None:
+        waiting = config.max_waiting_requests
+        parts.append("waiting unbounded" if waiting is None else f"waiting <= {waiting} beyond max_num_seqs (then 503)")
+        idle = config.stream_idle_timeout_s
+        parts.append("idle streams kept" if idle is None else f"idle streams cut after {idle:g} s")
+    parts.append(f"shutdown drains {config.shutdown_timeout_s:g} s")
+    cache = state.derender_cache
+    parts.append("derender cache off" if cache is None
+                 else f"derender cache {config.derender_cache_entries} states, {config.derender_cache_ttl_s:g} s")
+    return ", ".join(parts)
+
+
 def ready_banner(state: AppState, url: str) -> str:
     """Several lines, one fact each (printed to stderr when the server is ready)."""
     tokenizer = state.tokenizer.name if state.tokenizer is not None else "none (--tokens-only)"
@@ -68,5 +84,6 @@ def ready_banner(state: AppState, url: str) -> str:
         f"  tokenizer  {tokenizer}",
         f"  parsers    {_parsers_line(state)}",
         *([f"  kv         {_kv_line(state)}"] if state.engine is not None else []),
+        f"  limits     {_limits_line(state)}",
         f"  routes     {_routes_line(state)}",
     ])

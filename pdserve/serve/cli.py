@@ -9,7 +9,14 @@ import uuid
 from importlib import resources
 
 from pdserve.engine.spec import KV_FAILURE_POLICIES, EngineSpec, KVTransferSpec
-from pdserve.serve.config import ServerConfig
+from pdserve.serve.config import (
+    DEFAULT_DERENDER_CACHE_ENTRIES,
+    DEFAULT_DERENDER_CACHE_TTL_S,
+    DEFAULT_MAX_WAITING_REQUESTS,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    DEFAULT_STREAM_IDLE_TIMEOUT_S,
+    ServerConfig,
+)
 
 DEMO_SCRIPT = "demo_script.jsonl"
 
@@ -27,6 +34,18 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default=None, help="hermes | qwen3_coder")
     p.add_argument("--enable-auto-tool-choice", action="store_true")
     p.add_argument("--log-level", default="warning")
+    p.add_argument(
+        "--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="on SIGTERM: /health and new requests answer 503 at once; requests in flight get this many seconds "
+        "to finish, then end with an error naming the shutdown",
+    )
+    p.add_argument(
+        "--derender-cache-entries", type=int, default=DEFAULT_DERENDER_CACHE_ENTRIES,
+        help="streaming /derender: parser and detokenizer states kept to continue a stream without replaying "
+        "it (LRU; 0 turns the cache off)",
+    )
+    p.add_argument("--derender-cache-ttl", type=float, default=DEFAULT_DERENDER_CACHE_TTL_S,
+                   help="seconds a cached streaming /derender state lives after its last chunk")
 
 
 def _add_kv_args(p: argparse.ArgumentParser) -> None:
@@ -100,6 +119,15 @@ def add_server_commands(sub: argparse._SubParsersAction) -> None:
         help="add server-side timing ('metrics': TTFT, generation time, mean ITL, tok/s) to generate responses, "
         "final stream chunks and the coupled endpoints",
     )
+    serve.add_argument(
+        "--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+        help="requests that may wait for an engine slot beyond --max-num-seqs; past it a 503 with Retry-After "
+        "(-1: unbounded)",
+    )
+    serve.add_argument(
+        "--stream-idle-timeout", type=float, default=DEFAULT_STREAM_IDLE_TIMEOUT_S,
+        help="abort a stream whose client has read nothing for this many seconds, freeing its engine slot (0: never)",
+    )
     _add_kv_args(serve)
     _add_server_args(serve)
 
@@ -128,6 +156,8 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
     """Resolve flags: a model runs on the torch engine (default: smollm2-135m); ``--engine
     scripted`` (or a ``--script``) replays scripts with the qwen3 tokenizer unless told otherwise."""
     engine_kind = args.engine or ("scripted" if args.script else "torch")
+    if args.stream_idle_timeout < 0 or (args.max_waiting_requests < -1):
+        raise ValueError("--stream-idle-timeout must be 0 (never) or more; --max-waiting-requests -1 (unbounded) or more")
     script = args.script
     tokenizer = args.tokenizer
     if engine_kind == "scripted":
@@ -168,6 +198,9 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         api_server_count=args.api_server_count,
         log_level=args.log_level,
         enable_per_request_metrics=args.enable_per_request_metrics,
+        max_waiting_requests=None if args.max_waiting_requests < 0 else args.max_waiting_requests,
+        stream_idle_timeout_s=args.stream_idle_timeout or None,
+        **_common_settings(args),
     )
 
 
@@ -184,7 +217,21 @@ def render_config(args: argparse.Namespace) -> ServerConfig:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         log_level=args.log_level,
         max_model_len=args.max_model_len,
+        **_common_settings(args),
     )
+
+
+def _common_settings(args: argparse.Namespace) -> dict[str, float | int]:
+    """The settings of :func:`_add_server_args` beyond the basics, checked (every role has them)."""
+    if args.shutdown_timeout < 0:
+        raise ValueError("--shutdown-timeout must be 0 or more")
+    if args.derender_cache_entries < 0 or args.derender_cache_ttl <= 0:
+        raise ValueError("--derender-cache-entries must be 0 or more and --derender-cache-ttl positive")
+    return {
+        "shutdown_timeout_s": args.shutdown_timeout,
+        "derender_cache_entries": args.derender_cache_entries,
+        "derender_cache_ttl_s": args.derender_cache_ttl,
+    }
 
 
 def run_server_command(args: argparse.Namespace) -> int:
@@ -198,4 +245,9 @@ def run_server_command(args: argparse.Namespace) -> int:
             print(f"pdserve: {e}", file=sys.stderr)
             return 2
         return run_server(config)
-    return run_server(render_config(args))
+    try:
+        config = render_config(args)
+    except ValueError as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 2
+    return run_server(config)

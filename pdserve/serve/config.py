@@ -9,6 +9,11 @@ from pdserve.engine.spec import EngineSpec
 # vLLM's default cap on candidates per position (``--max-logprobs``).
 DEFAULT_MAX_LOGPROBS = 20
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+DEFAULT_STREAM_IDLE_TIMEOUT_S = 60.0
+DEFAULT_DERENDER_CACHE_ENTRIES = 4096
+DEFAULT_DERENDER_CACHE_TTL_S = 60.0
 
 
 @dataclass
@@ -37,3 +42,12 @@ class ServerConfig:
     max_model_len: int | None = None
     # --enable-per-request-metrics: server-side timing as ``metrics`` on responses (pdserve.output.timing).
     enable_per_request_metrics: bool = False
+    # SIGTERM: /health and new requests 503 at once; requests in flight get this long to finish.
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    # Requests in flight beyond the engine's max_num_seqs that wait for a slot; past it a 503 (None: unbounded).
+    max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS
+    # A stream whose client has read nothing for this long is aborted (None: never).
+    stream_idle_timeout_s: float | None = DEFAULT_STREAM_IDLE_TIMEOUT_S
+    # Streaming /derender: parser/detokenizer states kept to continue a stream (0: replay every chunk).
+    derender_cache_entries: int = DEFAULT_DERENDER_CACHE_ENTRIES
+    derender_cache_ttl_s: float = DEFAULT_DERENDER_CACHE_TTL_S

@@ -4,21 +4,29 @@ Shared by every endpoint that generates: it feeds engine outputs into the
 state, tells the engine when the frontend finished a sequence itself (stop
 string), and aborts the engine request whenever the consumer stops early
 (client disconnect, error), so nothing keeps running for a request nobody reads.
+
+Aborts are honest: only an abort the client asked for (``/abort_requests``) ends a
+sequence with ``finish_reason: "abort"``. One the client did not ask for (the engine
+shut down or dropped the request, the server is shutting down) raises
+:class:`~pdserve.engine.api.RequestAborted`, which the responses turn into an error
+naming the cause; so does an engine that ends a request before it finished.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from pdserve.engine.api import Engine
+from pdserve.engine.api import Engine, EngineError, RequestAborted
 from pdserve.output.request_state import ChoiceUpdate, RequestState
-from pdserve.protocol.engine import EngineRequest
+from pdserve.protocol.engine import ABORT_BY_CLIENT, EngineRequest
 
 
 async def drive(engine: Engine, request: EngineRequest, state: RequestState) -> AsyncIterator[ChoiceUpdate]:
     outputs = engine.generate(request)
     try:
         async for out in outputs:
+            if out.finish_reason == "abort" and out.abort_cause != ABORT_BY_CLIENT:
+                raise RequestAborted(out.abort_cause)
             update = state.add(out)
             if update is None:
                 continue
@@ -29,9 +37,7 @@ async def drive(engine: Engine, request: EngineRequest, state: RequestState) -> 
             if state.finished:
                 break
         else:
-            # The engine ended without finishing every sequence: report them aborted.
-            for update in state.abort_unfinished():
-                yield update
+            raise EngineError("the engine ended the request before every sequence finished")
     finally:
         await outputs.aclose()
         if not state.finished:

@@ -7,6 +7,7 @@ so a server bug is never reported as the client's fault.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 from contextvars import ContextVar
@@ -21,12 +22,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from pdserve.engine.api import EngineDeadError, EngineError, KVLoadError
+from pdserve.engine.api import EngineDeadError, EngineError, KVLoadError, RequestAborted
 from pdserve.protocol.derender import chat_derender_adapter, completion_derender_adapter
+from pdserve.protocol.engine import ABORT_FOR_SHUTDOWN
 from pdserve.protocol.errors import ErrorInfo, ErrorResponse, RequestError
 from pdserve.protocol.generate import AbortRequest, GenerateRequest
 from pdserve.protocol.limits import MAX_HEADER_BYTES, MAX_JSON_DEPTH, MAX_REQUEST_ID_CHARS
 from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest
+from pdserve.serve.event_stream import CLOSE_CONNECTION
+from pdserve.serve.inflight import RETRY_AFTER_S, InFlight
 from pdserve.serve.state import app_state
 
 logger = logging.getLogger("pdserve")
@@ -158,6 +162,10 @@ def engine_error_body(exc: EngineError) -> tuple[int, dict[str, Any]]:
         return 503, error_body(f"engine unavailable: {exc}", 503, "ServiceUnavailableError")
     if isinstance(exc, KVLoadError):
         return 502, error_body(str(exc), 502, "KVLoadError")
+    if isinstance(exc, RequestAborted):
+        if exc.cause == ABORT_FOR_SHUTDOWN:
+            return 503, error_body(str(exc), 503, "ServiceUnavailableError")
+        return 500, error_body(str(exc), 500, "RequestAbortedError")
     return 500, error_body(f"engine error: {exc}", 500, "InternalServerError")
 
 
@@ -232,6 +240,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._parsed_head = self._raw_head = 0
         self._reading_head = True
+        # How an idle stream's connection is cut (serve.inflight): abort, not close, which would wait for
+        # the unread buffer to drain first; its pending send then returns and the stream ends as a
+        # disconnect does.
+        self.scope[CLOSE_CONNECTION] = self.transport.abort  # type: ignore[typeddict-unknown-key]
 
     def _count(self, size: int) -> None:
         self._parsed_head += size
@@ -280,7 +292,9 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_middleware(CountServerErrors)
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
-        headers = {"connection": "close"} if exc.close else None
+        headers = dict(exc.headers or {})
+        if exc.close:
+            headers["connection"] = "close"
         return JSONResponse(exc.to_response().model_dump(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
@@ -303,14 +317,34 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_json(f"internal server error: {type(exc).__name__}", 500, "InternalServerError")
 
 
-def install_auth(app: FastAPI, api_key: str) -> None:
-    """Every route but /health needs ``Authorization: Bearer <key>``."""
+class Gate:
+    """What is refused before any route runs: everything but ``/metrics`` while the server drains for a
+    shutdown (503, ``/health`` included, so load balancers stop sending), and without the ``--api-key``
+    every route but ``/health`` (401). Pure ASGI: an HTTP middleware would wrap streaming responses and
+    can hide a client's disconnect from the route (a storm of disconnects then leaves requests running)."""
 
-    @app.middleware("http")
-    async def _check_key(request: Request, call_next):  # type: ignore[no-untyped-def]
-        if request.url.path != "/health" and request.headers.get("authorization") != f"Bearer {api_key}":
-            return error_json("missing or wrong API key (Authorization: Bearer <key>)", 401, "AuthenticationError")
-        return await call_next(request)
+    def __init__(self, app: ASGIApp, api_key: str | None, inflight: InFlight) -> None:
+        self.app = app
+        self.inflight = inflight
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            if self.inflight.draining and path != "/metrics":
+                body = error_body("the server is shutting down", 503, "ServiceUnavailableError")
+                headers = {"retry-after": str(RETRY_AFTER_S), "connection": "close"}
+                await JSONResponse(body, status_code=503, headers=headers)(scope, receive, send)
+                return
+            if self.expected is not None and path != "/health" and not self._authorized(scope):
+                body = error_body("missing or wrong API key (Authorization: Bearer <key>)", 401, "AuthenticationError")
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        sent = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        return hmac.compare_digest(sent, self.expected or b"")
 
 
 def _request_bodies() -> dict[str, Any]:

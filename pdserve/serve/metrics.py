@@ -8,6 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pdserve.output import live
+from pdserve.output.derender_cache import DerenderCache
 from pdserve.protocol.engine import EngineStats
 from pdserve.protocol.kv import PULL_SECONDS_BUCKETS, KVAgentInfo, KVStats
 
@@ -74,6 +76,39 @@ class _EngineStatsCollector(Collector):
             yield from _kv_metrics(KVStats(pool_blocks=pool.num_blocks, free_blocks=pool.num_blocks))
 
 
+class _LiveObjectsCollector(Collector):
+    """Per-request objects still alive (pdserve.output.live): 0 when nothing runs, unless something leaks."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "pdserve_live_request_states", "Request states alive in this process (0 when idle; more: a leak)",
+            value=len(live.request_states),
+        )
+        yield GaugeMetricFamily(
+            "pdserve_live_parsers", "Reasoning/tool parsers alive in this process, cached derender states included",
+            value=len(live.parsers),
+        )
+
+
+class _DerenderCacheCollector(Collector):
+    """The streaming /derender state cache (pdserve.output.derender_cache): its size now, its use so far."""
+
+    def __init__(self, cache: DerenderCache):
+        self._cache = cache
+
+    def collect(self) -> Iterator[Metric]:
+        self._cache.expire()  # the size counts live states only, also when no chunk came for a while
+        cache = self._cache
+        yield GaugeMetricFamily("pdserve_derender_cache_entries", "Streaming /derender states cached now",
+                                value=len(cache))
+        yield CounterMetricFamily("pdserve_derender_cache_hits", "Streaming /derender chunks that continued a cached "
+                                  "state", value=cache.hits)
+        yield CounterMetricFamily("pdserve_derender_cache_misses", "Streaming /derender chunks with earlier output "
+                                  "that found no cached state and replayed it", value=cache.misses)
+        yield CounterMetricFamily("pdserve_derender_cache_evictions", "Cached streaming /derender states dropped "
+                                  "unused (LRU bound, TTL, or replaced)", value=cache.evictions)
+
+
 class Metrics:
     def __init__(
         self, engine_stats: Callable[[], EngineStats] | None = None,
@@ -99,5 +134,16 @@ class Metrics:
             ["path", "status"],
             registry=self.registry,
         )
+        self.idle_streams_closed = Counter(
+            "pdserve_idle_streams_closed", "Streams cut off because their client read nothing for --stream-idle-timeout",
+            registry=self.registry,
+        )
+        self.registry.register(_LiveObjectsCollector())
         if engine_stats is not None:
             self.registry.register(_EngineStatsCollector(engine_stats, kv_pool))
+
+    def watch_derender_cache(self, cache: DerenderCache | None) -> DerenderCache | None:
+        """Export the streaming /derender cache's size and counters (none when it is off); returns it."""
+        if cache is not None:
+            self.registry.register(_DerenderCacheCollector(cache))
+        return cache

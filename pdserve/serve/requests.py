@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from pdserve.engine.request_ids import engine_request_id
+from pdserve.output import live
 from pdserve.output.request_state import ChoiceParser, OutputConfig, RequestState
 from pdserve.protocol.engine import EngineRequest, SequenceSampling
 from pdserve.protocol.generate import GenerateRequest
@@ -43,7 +44,7 @@ def make_parser_factory(
     from pdserve.parsers import ChatParser
 
     config, tokenizer = state.parser_config, state.tokenizer
-    return lambda: ChatParser(config, tokenizer, context, prompt_token_ids)
+    return lambda: live.tracked(live.parsers, ChatParser(config, tokenizer, context, prompt_token_ids))
 
 
 def skip_special_tokens(requested: bool | None, parser_reads_output: bool) -> bool | None:

@@ -11,19 +11,19 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from pdserve.engine.api import EngineError
 from pdserve.output.request_state import ChoiceUpdate, RequestState
 from pdserve.protocol.engine import EngineRequest
 from pdserve.protocol.errors import RequestError
-from pdserve.serve.driver import drive
-from pdserve.serve.http import engine_error_body, error_body, logger, report_stream_error
 from pdserve.protocol.sse import DONE, sse_event
+from pdserve.serve.driver import drive
+from pdserve.serve.event_stream import EventStreamResponse
+from pdserve.serve.http import engine_error_body, error_body, logger, report_stream_error
+from pdserve.serve.inflight import Prepared, StreamWatch
 from pdserve.serve.state import AppState
-
-Prepared = tuple[EngineRequest, RequestState]
 
 
 class ClientGone(Exception):
@@ -68,6 +68,11 @@ async def respond_batch(
 ) -> Response:
     """Run to completion and answer with ``build()``; counts the request under ``labels``
     (endpoint, output mode) with its status: 200, 499 (client left) or the engine error's 5xx."""
+    try:
+        state.inflight.admit(prepared)
+    except RequestError as e:
+        state.metrics.requests.labels(*labels, str(e.status)).inc()
+        raise
     state.metrics.running.inc()
     status = "200"
     try:
@@ -86,15 +91,24 @@ async def respond_batch(
         status = "500"  # a server bug: the error handler answers 500, so the count must say so too
         raise
     finally:
+        state.inflight.release(prepared)
         state.metrics.running.dec()
         state.metrics.requests.labels(*labels, status).inc()
 
 
-def respond_stream(state: AppState, labels: tuple[str, str], events: AsyncIterator[str]) -> StreamingResponse:
+def respond_stream(
+    state: AppState, labels: tuple[str, str], prepared: Sequence[Prepared], events: AsyncIterator[str]
+) -> EventStreamResponse:
     """SSE response around an endpoint's events: the running gauge, any failure after the headers (engine
     error, a request error found late, a server bug) as a final ``data: {"error": ...}`` event,
     ``data: [DONE]`` last, and the request counted under ``labels`` with its status: 200, the error's
-    status or 499 (client left)."""
+    status or 499 (client left). Admission (:meth:`InFlight.admit`) happens here, before the 200 headers: an
+    overloaded or draining server answers 503."""
+    try:
+        state.inflight.admit(prepared)
+    except RequestError as e:
+        state.metrics.requests.labels(*labels, str(e.status)).inc()
+        raise
 
     async def framed() -> AsyncIterator[str]:
         state.metrics.running.inc()
@@ -125,7 +139,14 @@ def respond_stream(state: AppState, labels: tuple[str, str], events: AsyncIterat
             state.metrics.requests.labels(*labels, status).inc()
         yield DONE
 
-    return StreamingResponse(framed(), media_type="text/event-stream")
+    watch = StreamWatch()
+    state.inflight.streams.add(watch)
+
+    def close() -> None:
+        state.inflight.streams.discard(watch)
+        state.inflight.release(prepared)
+
+    return EventStreamResponse(framed(), watch, close)
 
 
 async def merged_updates(state: AppState, prepared: Sequence[Prepared]) -> AsyncIterator[tuple[int, ChoiceUpdate]]:

@@ -12,6 +12,7 @@ Layouts:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import multiprocessing
@@ -23,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import msgspec
@@ -32,10 +34,13 @@ from pdserve.engine.api import Engine, EngineError
 from pdserve.engine.factory import build_engine
 from pdserve.engine.spec import TokenScript
 from pdserve.parsers import ParserConfig
+from pdserve.protocol.engine import ABORT_FOR_SHUTDOWN
 from pdserve.serve.app import create_app
 from pdserve.serve.banner import ready_banner
 from pdserve.serve.config import ServerConfig
 from pdserve.serve.http import BoundedHttpToolsProtocol
+from pdserve.serve.inflight import drain
+from pdserve.serve.state import AppState
 from pdserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("pdserve")
@@ -132,17 +137,47 @@ def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
-class _AnnouncingServer(uvicorn.Server):
-    """uvicorn that prints the ready banner once it accepts connections (after the app's startup)."""
+class _PdserveServer(uvicorn.Server):
+    """uvicorn that prints the ready banner once it accepts connections (after the app's startup), and
+    shuts down gracefully: the first SIGTERM/SIGINT drains (serve.inflight.drain: 503 for anything new,
+    ``--shutdown-timeout`` for what runs, then an abort naming the shutdown), a second one stops at once."""
 
-    def __init__(self, config: uvicorn.Config, announce: Callable[[], str] | None) -> None:
+    def __init__(self, config: uvicorn.Config, announce: Callable[[], str] | None, state: AppState) -> None:
         super().__init__(config)
         self._announce = announce
+        self._state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
         if self._announce is not None and not self.should_exit:
             print(self._announce(), file=sys.stderr, flush=True)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining or self.should_exit or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self._captured_signals.append(sig)
+        self._draining = True
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        state = self._state
+        timeout = state.config.shutdown_timeout_s
+        logger.warning("pdserve: shutting down: refusing new requests; %d in flight get %.1f s to finish",
+                       len(state.inflight.requests), timeout)
+        engine = state.engine
+
+        async def abort(ids: list[str]) -> None:
+            if engine is not None:
+                await engine.abort(ids, ABORT_FOR_SHUTDOWN)
+
+        try:
+            await drain(state.inflight, timeout, abort)
+        finally:
+            self.should_exit = True
 
 
 def _serve_app(config: ServerConfig, engine: Engine | None, tokenizer: Tokenizer | None, parsers: ParserConfig | None,
@@ -150,11 +185,12 @@ def _serve_app(config: ServerConfig, engine: Engine | None, tokenizer: Tokenizer
     app = create_app(config, engine, tokenizer, parser_config=parsers)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    server = _AnnouncingServer(
+    server = _PdserveServer(
         # httptools bounded to MAX_HEADER_BYTES of request head (431 past it; httptools has no limit of its own).
         uvicorn.Config(app, log_level=config.log_level, loop="uvloop", http=BoundedHttpToolsProtocol,
                        timeout_graceful_shutdown=5),
         (lambda: ready_banner(app.state.pdserve, url)) if announce else None,
+        app.state.pdserve,
     )
     server.run(sockets=[sock])
 
@@ -249,7 +285,7 @@ def _supervise_frontends(config: ServerConfig, handle: Any) -> int:
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGTERM)
         for proc in frontends:
-            proc.join(10)
+            proc.join(config.shutdown_timeout_s + 10)  # each drains first (--shutdown-timeout)
             if proc.is_alive():
                 proc.kill()
         for sig, handler in previous.items():

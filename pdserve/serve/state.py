@@ -6,7 +6,7 @@ every serve module can depend on it without a cycle.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -14,10 +14,13 @@ from fastapi import Request
 from pdserve.engine.api import Engine, EngineDeadError
 from pdserve.protocol.errors import RequestError
 from pdserve.serve.config import ServerConfig
+from pdserve.serve.inflight import InFlight
 from pdserve.serve.metrics import Metrics
 from pdserve.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the parsers package loads only on servers that configure one
+    from pdserve.output.derender_cache import DerenderCache
+    from pdserve.output.request_state import ChoiceState
     from pdserve.parsers import ParserConfig
 
 
@@ -28,6 +31,9 @@ class AppState:
     tokenizer: Tokenizer | None
     metrics: Metrics
     parser_config: ParserConfig | None = None
+    inflight: InFlight = field(default_factory=lambda: InFlight(capacity=None))
+    # Streaming /derender: live choice states of streams in progress (None: --derender-cache-entries 0).
+    derender_cache: DerenderCache[ChoiceState] | None = None
 
     @property
     def model_name(self) -> str:

@@ -344,7 +344,7 @@ def test_late_failures_end_streams_with_a_verdict_and_every_5xx_is_counted() -> 
 
     @app.post("/stream")
     async def stream() -> StreamingResponse:
-        return respond_stream(state, ("test", "tokens"), events())
+        return respond_stream(state, ("test", "tokens"), [], events())
 
     @app.post("/batch")
     async def batch() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from pdserve.engine.api import EngineDeadError
 from pdserve.engine.runners.scripted_core import ScriptedCore, spec_options
 from pdserve.engine.spec import EngineSpec, TokenScript
-from pdserve.protocol.engine import EngineOutput, EngineRequest, EngineStats
+from pdserve.protocol.engine import ABORT_BY_CLIENT, EngineOutput, EngineRequest, EngineStats
 
 
 class ScriptedEngine:
@@ -43,8 +43,8 @@ class ScriptedEngine:
     def stats(self) -> EngineStats:
         return self._core.stats()
 
-    async def abort(self, request_ids: list[str]) -> None:
-        self._core.abort(request_ids)
+    async def abort(self, request_ids: list[str], cause: str = ABORT_BY_CLIENT) -> None:
+        self._core.abort(request_ids, cause)
 
     async def stop_sequence(self, request_id: str, index: int) -> None:
         self._core.stop_sequence(request_id, index)

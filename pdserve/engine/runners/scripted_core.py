@@ -82,6 +82,7 @@ class _Live:
     seqs: list[_Sequence]
     budget: int  # max_model_len minus the prompt
     aborted: bool = False
+    abort_cause: str | None = None
     first: bool = True
     over: bool = False
     finished: set[int] = field(default_factory=set)
@@ -175,13 +176,15 @@ class ScriptedCore:
     def forget(self, request_id: str) -> None:
         self._live.pop(request_id, None)
 
-    def abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str], cause: str | None) -> None:
         """Mark requests aborted: their next step ends each unfinished sequence with ``"abort"``."""
         for request_id in matching(request_ids, list(self._live)):
-            self._live[request_id].aborted = True
+            live = self._live[request_id]
+            live.aborted, live.abort_cause = True, cause
 
     def abort_all(self) -> None:
-        self.abort(list(self._live))
+        """The engine shuts down: its own abort (no cause), which frontends report as a failure."""
+        self.abort(list(self._live), None)
 
     def stop_sequence(self, request_id: str, index: int) -> None:
         live = self._live.get(request_id)
@@ -224,7 +227,10 @@ class ScriptedCore:
         rid = live.request.request_id
         if live.aborted:
             live.over = True
-            return [EngineOutput(request_id=rid, index=seq.index, finish_reason="abort") for seq in running], None
+            return [
+                EngineOutput(request_id=rid, index=seq.index, finish_reason="abort", abort_cause=live.abort_cause)
+                for seq in running
+            ], None
         if not running:
             live.over = True
             return [], None

@@ -40,7 +40,7 @@ from pdserve.engine.spec import EngineSpec, KVTransferSpec
 from pdserve.engine.step_loop import StepLoop
 from pdserve.engine.stepping import apply
 from pdserve.engine.threads import configure_torch_threads
-from pdserve.protocol.engine import EngineInfo, EngineOutput, EngineRequest, EngineStats
+from pdserve.protocol.engine import ABORT_BY_CLIENT, EngineInfo, EngineOutput, EngineRequest, EngineStats
 from pdserve.protocol.kv import KVLayout
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -200,9 +200,9 @@ class TorchEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
-    async def abort(self, request_ids: list[str]) -> None:
+    async def abort(self, request_ids: list[str], cause: str = ABORT_BY_CLIENT) -> None:
         if request_ids:
-            self._inbox.put(AbortRequests(list(request_ids)))
+            self._inbox.put(AbortRequests(list(request_ids), cause))
 
     async def stop_sequence(self, request_id: str, index: int) -> None:
         self._inbox.put(StopSequence(request_id, index))

@@ -29,6 +29,7 @@ from pdserve.engine.api import EngineDeadError, EngineError
 from pdserve.engine.request_ids import matching
 from pdserve.engine.spec import EngineSpec
 from pdserve.protocol.engine import (
+    ABORT_BY_CLIENT,
     EngineInfo,
     EngineOutput,
     EngineRequest,
@@ -128,6 +129,7 @@ class _Live:
 
     n: int
     stopped: set[int] = field(default_factory=set)
+    abort_cause: str | None = None  # set by our abort(); None if vLLM aborts the request on its own
 
 
 class VllmEngine:
@@ -179,9 +181,12 @@ class VllmEngine:
         sequences = sum(live.n - len(live.stopped) for live in running)
         return EngineStats(running_requests=len(running), running_sequences=sequences)
 
-    async def abort(self, request_ids: list[str]) -> None:
+    async def abort(self, request_ids: list[str], cause: str = ABORT_BY_CLIENT) -> None:
         if self._llm is not None:
-            await self._llm.abort(matching(request_ids, self._running))
+            ids = matching(request_ids, self._running)
+            for rid in ids:
+                self._running[rid].abort_cause = cause
+            await self._llm.abort(ids)
 
     async def stop_sequence(self, request_id: str, index: int) -> None:
         """vLLM stops whole requests: once every sequence is stopped, abort it; until then drop the
@@ -222,6 +227,7 @@ class VllmEngine:
                         new_logprobs=[position_logprobs(p) for p in seq.logprobs] if seq.logprobs else None,
                         finish_reason=seq.finish_reason,
                         stop_reason=seq.stop_reason,
+                        abort_cause=live.abort_cause if seq.finish_reason == "abort" else None,
                         num_cached_tokens=out.num_cached_tokens or 0,
                     )
                     if seq.index == 0 and not prompt_logprobs_sent and out.prompt_logprobs is not None:
@@ -236,7 +242,8 @@ class VllmEngine:
             # The contract: an aborted request still ends every unfinished sequence with "abort".
             for index in range(request.sampling.n):
                 if index not in finished and index not in stopped:
-                    yield EngineOutput(request_id=request.request_id, index=index, finish_reason="abort")
+                    yield EngineOutput(request_id=request.request_id, index=index, finish_reason="abort",
+                                       abort_cause=live.abort_cause)
         finally:
             self._running.pop(request.request_id, None)
             if finished | stopped != set(range(request.sampling.n)) and self._llm is not None:

@@ -2,17 +2,21 @@
 
 Each handler parses, validates against this server (model length, vocabulary, parser context),
 calls :mod:`pdserve.output.derender` to replay and advance the client's state, and responds with
-the same builders as the coupled endpoints.
+the same builders as the coupled endpoints. A streamed chunk that follows the previous one of its
+stream continues the state cached by that chunk (``--derender-cache-entries``) where there is one.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from pdserve.output import derender
+from pdserve.output.derender_cache import StreamKey, ids_digest, text_digest
 from pdserve.output.openai_builders import chat_chunk, chat_response, completion_chunk, completion_response
 from pdserve.output.policy import usage_chunk, usage_of
 from pdserve.protocol.derender import (
@@ -118,8 +122,31 @@ def _stream_choice(
     return choice
 
 
+def _stream_response(chunk: dict[str, Any], stream_state: DerenderStreamState) -> Response:
+    """``{chunk, stream_state}`` as JSONResponse would encode it, with the state (mostly output ids, which
+    grow with the stream) encoded by pydantic's serializer: json.dumps of a long id list would cost more
+    than the rest of a chunk that continues a cached state."""
+    head = json.dumps(chunk, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    body = f'{{"chunk":{head},"stream_state":{stream_state.model_dump_json()}}}'
+    return Response(body.encode(), media_type="application/json")
+
+
+def _resume(
+    state: AppState, endpoint: str, request_id: str, index: int, prompt_ids: Sequence[int],
+    request: ChatCompletionRequest | CompletionRequest | None,
+) -> derender.Resume | None:
+    """Where this chunk's stream may have left its state: keyed by everything that shapes its output
+    (the endpoint, the request as sent, the server's parsers)."""
+    if state.derender_cache is None:
+        return None
+    # As sent: a field left out keeps out of the digest its default, which may be made up per parse (request_id).
+    sent = text_digest(request.model_dump_json(exclude_unset=True)) if request is not None else b""
+    settings = (endpoint, state.parser_config, sent)
+    return derender.Resume(state.derender_cache, StreamKey(request_id, index, ids_digest(prompt_ids), settings))
+
+
 @router.post("/v1/chat/completions/derender")
-async def chat_derender(request: Request) -> JSONResponse:
+async def chat_derender(request: Request) -> Response:
     state = app_state(request)
     state.require_tokenizer()
     req = await parse_body(request, chat_derender_adapter)
@@ -145,7 +172,7 @@ async def chat_derender(request: Request) -> JSONResponse:
     return JSONResponse(response.model_dump(mode="json"))
 
 
-def _chat_derender_stream(req: DerenderChatStreamRequest, state: AppState) -> JSONResponse:
+def _chat_derender_stream(req: DerenderChatStreamRequest, state: AppState) -> Response:
     chat = req.chat_request
     if chat is not None and chat.stop:
         raise RequestError(
@@ -168,19 +195,20 @@ def _chat_derender_stream(req: DerenderChatStreamRequest, state: AppState) -> JS
         usage = usage_of(req.prompt_tokens or gchunk.usage.prompt_tokens or 0, completion)
     if choice is None:
         head = {"id": gchunk.request_id, "object": "chat.completion.chunk", "model": model}
-        return JSONResponse({"chunk": usage_chunk(head, usage, drop_nulls=False), "stream_state": previous.model_dump()})
+        return _stream_response(usage_chunk(head, usage, drop_nulls=False), previous)
     previous = derender.carried_state(
         state.tokenizer, previous, len(prompt_ids), len(choice.token_ids or []), parsed, max_model_len(state)  # type: ignore[arg-type]
     )
     config = derender_chat_config(state, chat, prompt_ids, stop_tokens_config(state, chat), True, False)
-    step = derender.advance(config, previous, parsed, choice, gchunk.request_id, derender_chat_top_limit(chat))
+    resume = _resume(state, "chat", gchunk.request_id, choice.index, prompt_ids, chat)
+    step = derender.advance(config, previous, parsed, choice, gchunk.request_id, derender_chat_top_limit(chat), resume)
     chunk = chat_chunk(step.choice, step.update, gchunk.request_id, model, bool(chat and chat.return_token_ids),
                        usage, logprobs=step.update.decoded_logprobs, metrics=gchunk.metrics)
-    return JSONResponse({"chunk": chunk, "stream_state": step.state.model_dump()})
+    return _stream_response(chunk, step.state)
 
 
 @router.post("/v1/completions/derender")
-async def completion_derender(request: Request) -> JSONResponse:
+async def completion_derender(request: Request) -> Response:
     state = app_state(request)
     state.require_tokenizer()
     req = await parse_body(request, completion_derender_adapter)
@@ -212,7 +240,7 @@ async def completion_derender(request: Request) -> JSONResponse:
     return JSONResponse(response.model_dump(mode="json"))
 
 
-def _completion_derender_stream(req: DerenderCompletionStreamRequest, state: AppState) -> JSONResponse:
+def _completion_derender_stream(req: DerenderCompletionStreamRequest, state: AppState) -> Response:
     creq = req.completion_request
     if creq is not None and creq.stop:
         raise RequestError("stop strings are not supported by streaming derender; use batch derender or "
@@ -226,15 +254,16 @@ def _completion_derender_stream(req: DerenderCompletionStreamRequest, state: App
     if choice is None:
         head = {"id": gchunk.request_id, "object": "text_completion", "model": model}
         chunk = usage_chunk(head, gchunk.usage, drop_nulls=False)
-        return JSONResponse({"chunk": chunk, "stream_state": previous.model_dump()})
+        return _stream_response(chunk, previous)
     previous = derender.carried_state(
         state.tokenizer, previous, len(prompt_ids), len(choice.token_ids or []), False, max_model_len(state)  # type: ignore[arg-type]
     )
     config = derender_completion_config(state, creq, prompt_ids, stop_tokens_config(state, creq), False)
     top_limit = completion_top_limit(creq.logprobs if creq is not None else None)
-    step = derender.advance(config, previous, False, choice, gchunk.request_id, top_limit)
+    resume = _resume(state, "completion", gchunk.request_id, choice.index, prompt_ids, creq)
+    step = derender.advance(config, previous, False, choice, gchunk.request_id, top_limit, resume)
     chunk = completion_chunk(step.update, choice.index, previous.logprob_text_offset, gchunk.request_id, model,
                              bool(creq and creq.return_token_ids), None, gchunk.metrics)
     step.state.logprob_text_offset = derender.next_text_offset(previous.logprob_text_offset, step.update)
-    return JSONResponse({"chunk": chunk, "stream_state": step.state.model_dump()})
+    return _stream_response(chunk, step.state)
 

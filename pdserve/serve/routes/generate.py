@@ -13,11 +13,11 @@ from pdserve.output.request_state import RequestState
 from pdserve.protocol.engine import EngineRequest
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import AbortRequest, GenerateRequest, GenerateResponseBase
+from pdserve.protocol.sse import sse_event
 from pdserve.serve.driver import drive
 from pdserve.serve.http import parse_body
 from pdserve.serve.requests import prepare
 from pdserve.serve.responses import respond_batch, respond_stream
-from pdserve.protocol.sse import sse_event
 from pdserve.serve.state import AppState, app_state
 from pdserve.serve.validation import validate_generate
 from pdserve.text.logprobs import prompt_logprob_dicts
@@ -46,7 +46,7 @@ async def generate(request: Request) -> Response:
         "prompt_token_ids": req.token_ids if req.return_token_ids else None,
     }
     if req.stream:
-        return respond_stream(state, ("generate", req.output_mode), _stream(state, req, ereq, rstate))
+        return respond_stream(state, ("generate", req.output_mode), [(ereq, rstate)], _stream(state, req, ereq, rstate))
     return await respond_batch(
         request, state, [(ereq, rstate)], ("generate", req.output_mode), _batch_builder(state, rstate, base)
     )

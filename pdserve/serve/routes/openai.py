@@ -19,11 +19,11 @@ from pdserve.output.policy import usage_chunk, usage_of
 from pdserve.output.request_state import RequestState
 from pdserve.protocol.generate import GenerateRequest
 from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest, UsageInfo
+from pdserve.protocol.sse import sse_event
 from pdserve.serve.http import parse_body
 from pdserve.serve.render import render_chat, render_completion
 from pdserve.serve.requests import prepare
 from pdserve.serve.responses import merged_updates, respond_batch, respond_stream
-from pdserve.protocol.sse import sse_event
 from pdserve.serve.state import AppState, app_state
 from pdserve.serve.validation import validate_generate
 
@@ -99,7 +99,7 @@ async def chat_completions(request: Request) -> Response:
             head = {"id": response_id, "object": "chat.completion.chunk", "model": model}
             yield sse_event(usage_chunk(head, usage_of(prompt_len, rstate.completion_tokens)))
 
-    return respond_stream(state, ("chat", "derender"), events())
+    return respond_stream(state, ("chat", "derender"), prepared, events())
 
 
 @coupled_router.post("/v1/completions")
@@ -143,7 +143,7 @@ async def completions(request: Request) -> Response:
             head = {"id": response_id, "object": "text_completion", "model": model}
             yield sse_event(usage_chunk(head, _completions_usage(states)))
 
-    return respond_stream(state, ("completions", "text"), events())
+    return respond_stream(state, ("completions", "text"), prepared, events())
 
 
 def _single_metrics(state: AppState, states: Sequence[RequestState]) -> dict[str, Any] | None:
