@@ -84,7 +84,46 @@ def batch_response(state: RequestState, base: dict[str, Any]) -> GenerateRespons
 
 def stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageInfo | None, first_for_choice: bool,
                  metrics: dict[str, Any] | None = None) -> dict:
-    """One SSE event (one choice) as a JSON-ready dict; ``metrics`` rides on the request's last chunk."""
+    """One SSE event (one choice) as a JSON-ready dict; ``metrics`` rides on the request's last chunk.
+
+    A stream's hot path (no logprobs) builds the dict directly, key for key what :func:`model_stream_chunk`
+    dumps (property-tested), without a pydantic model built, validated and dumped per token."""
+    cfg = state.config
+    if cfg.mode == "tokens":
+        if not cfg.want_logprobs or update.logprobs is None:
+            return _plain_stream_chunk(state, update, usage, metrics, {})
+    elif cfg.mode == "text":
+        if not cfg.want_logprobs or update.decoded_logprobs is None:
+            return _plain_stream_chunk(state, update, usage, metrics, {"text": update.text})
+    else:
+        hide = state.choices[update.index].hides_metadata
+        if not cfg.want_logprobs or update.decoded_logprobs is None or hide:
+            delta = assistant_delta(update.delta) if first_for_choice else update.delta or DeltaMessage()
+            return _plain_stream_chunk(state, update, usage, metrics, {"delta": delta.model_dump(mode="json")},
+                                       hide_ids=hide)
+    return model_stream_chunk(state, update, usage, first_for_choice, metrics)
+
+
+def _plain_stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageInfo | None,
+                        metrics: dict[str, Any] | None, payload: dict[str, Any], hide_ids: bool = False) -> dict:
+    choice: dict[str, Any] = {
+        "index": update.index, "finish_reason": update.finish_reason, "stop_reason": update.stop_reason,
+        "token_ids": None if hide_ids else update.token_ids, "routed_experts": None, "sampling_mask": None,
+        "weight_versions": None, **payload, "logprobs": None,
+    }
+    chunk: dict[str, Any] = {
+        "request_id": state.request_id, "usage": None if usage is None else usage.model_dump(mode="json"),
+    }
+    if metrics is not None:
+        chunk["metrics"] = metrics
+    chunk["output_mode"] = state.config.mode
+    chunk["choices"] = [choice]
+    return chunk
+
+
+def model_stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageInfo | None, first_for_choice: bool,
+                       metrics: dict[str, Any] | None = None) -> dict:
+    """:func:`stream_chunk` through the wire models: every mode and option (logprobs, derender deltas)."""
     cfg = state.config
     fields: dict[str, Any] = dict(
         index=update.index,

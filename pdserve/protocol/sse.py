@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+import msgspec
 
 DONE = "data: [DONE]\n\n"
 
+_encode = msgspec.json.Encoder().encode
+
 
 def sse_event(payload: Any) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    """One event: compact JSON, UTF-8 as is (json.dumps(ensure_ascii=False)'s text, at a fraction of its
+    cost per chunk; a non-finite float, which JSON cannot carry, becomes null)."""
+    return "data: " + _encode(payload).decode() + "\n\n"

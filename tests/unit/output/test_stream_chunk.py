@@ -1,0 +1,58 @@
+"""The hot-path stream chunk (a plain dict when there are no logprobs) is, key for key and in key order,
+what the wire models dump, for any output of any mode (derender with the qwen3 + hermes parsers), finish
+and usage/metrics."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdserve.output.generate_builders import model_stream_chunk, stream_chunk
+from pdserve.output.request_state import OutputConfig, RequestState
+from pdserve.parsers import ChatParser, ParserConfig
+from pdserve.protocol.engine import EngineOutput
+from pdserve.protocol.openai import ChatCompletionRequest, UsageInfo
+from pdserve.text.detokenizer import StopConfig
+from pdserve.text.tokenizer import Tokenizer
+
+TOK = Tokenizer.load("qwen3")
+PIECES = ["Paris", " is", " 中文", "é", "🙂", "\n", " 42", "naïve", "<think>", "</think>", "<tool_call>",
+          '{"name": "f", "arguments": {"x": 1}}', "</tool_call>"]
+PROMPT = TOK.encode("Hello")
+CHAT = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                             tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+PARSERS = ParserConfig("qwen3", "hermes", enable_auto_tool_choice=True)
+
+
+@given(
+    mode=st.sampled_from(["tokens", "text", "derender"]),
+    pieces=st.lists(st.sampled_from(PIECES), min_size=1, max_size=8),
+    finish=st.sampled_from(["stop", "length", "abort"]),
+    stop_reason=st.none() | st.integers(0, 5),
+    with_usage=st.booleans(),
+    with_metrics=st.booleans(),
+)
+def test_plain_chunks_equal_the_models_dump(mode: str, pieces: list[str], finish: str, stop_reason: int | None,
+                                            with_usage: bool, with_metrics: bool) -> None:
+    ids = TOK.encode("".join(pieces))
+    factory = (lambda: ChatParser(PARSERS, TOK, CHAT, PROMPT)) if mode == "derender" else None
+    config = OutputConfig(mode=mode, prompt_token_ids=PROMPT, tokenizer=TOK,  # type: ignore[arg-type]
+                          stop=StopConfig(eos_token_ids=tuple(TOK.eos_token_ids)), parser_factory=factory,
+                          streaming=True, skip_special_tokens=mode != "derender")
+    state = RequestState("generate-tokens-x#1", 1, config)
+    usage = UsageInfo(prompt_tokens=3, completion_tokens=len(ids), total_tokens=3 + len(ids)) if with_usage else None
+    metrics = {"time_to_first_token_ms": 1.5, "mean_itl_ms": None} if with_metrics else None
+    first = True
+    for k, token in enumerate(ids):
+        last = k == len(ids) - 1
+        out = EngineOutput(request_id="generate-tokens-x#1", new_token_ids=[token],
+                           finish_reason=finish if last else None, stop_reason=stop_reason if last else None)
+        update = state.add(out)
+        if update is None:
+            continue
+        fast = stream_chunk(state, update, usage, first_for_choice=first, metrics=metrics)
+        reference = model_stream_chunk(state, update, usage, first_for_choice=first, metrics=metrics)
+        assert json.dumps(fast) == json.dumps(reference)  # same keys, same order, same values
+        first = False
