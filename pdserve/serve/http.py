@@ -332,10 +332,15 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_json(f"internal server error: {type(exc).__name__}", 500, "InternalServerError")
 
 
+# What a draining server still answers: its metrics, aborts of what it still runs, and the KV metadata
+# that decode engines need to pull the leases of prefill legs this server already answered.
+DRAINING_ROUTES = frozenset({"/metrics", "/abort_requests", "/inference/v1/abort_requests", "/kv/metadata"})
+
+
 class Gate:
-    """What is refused before any route runs: everything but ``/metrics`` while the server drains for a
-    shutdown (503, ``/health`` included, so load balancers stop sending), and without the ``--api-key``
-    every route but ``/health`` (401). Pure ASGI: an HTTP middleware would wrap streaming responses and
+    """What is refused before any route runs: while the server drains for a shutdown, everything but
+    :data:`DRAINING_ROUTES` (503, ``/health`` included, so load balancers stop sending), and without the
+    ``--api-key`` every route but ``/health`` (401). Pure ASGI: an HTTP middleware would wrap streaming responses and
     can hide a client's disconnect from the route (a storm of disconnects then leaves requests running)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, inflight: InFlight) -> None:
@@ -346,7 +351,7 @@ class Gate:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             path = scope["path"]
-            if self.inflight.draining and path != "/metrics":
+            if self.inflight.draining and path not in DRAINING_ROUTES:
                 body = error_body("the server is shutting down", 503, "ServiceUnavailableError")
                 headers = {"retry-after": str(RETRY_AFTER_S), "connection": "close"}
                 await JSONResponse(body, status_code=503, headers=headers)(scope, receive, send)

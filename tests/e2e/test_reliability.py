@@ -232,6 +232,9 @@ def test_sigterm_drains_then_ends_what_is_left_with_an_error_naming_the_shutdown
                 )
                 results["health"] = health
                 results["refused"] = await client.post(url, json=generate_body("tokens", 0, False, max_tokens=2))
+                # What a draining server still answers: metrics, and aborts (here of nothing).
+                results["metrics"] = await client.get(srv.url + "/metrics")
+                results["abort"] = await client.post(srv.url + "/abort_requests", json={"request_ids": ["none"]})
                 await asyncio.gather(short, long, held)
 
         asyncio.run(scenario())
@@ -239,6 +242,7 @@ def test_sigterm_drains_then_ends_what_is_left_with_an_error_naming_the_shutdown
         refused = results["refused"]
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
         assert "shutting down" in refused.json()["error"]["message"]
+        assert results["metrics"].status_code == 200 and results["abort"].status_code == 200
         short_events, short_done = results["short"]
         assert short_done and short_events[-1]["choices"][0]["finish_reason"] == "length"
         long_events, long_done = results["long"]
