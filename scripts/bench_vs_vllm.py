@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
+
+from pdserve.bench.cpu import listeners
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -61,8 +62,7 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: 
 
 def move_api_processes(port: int, cpu: int) -> list[int]:
     """Pin the processes listening on ``port`` (the API servers) to ``cpu``, with all their threads."""
-    pids = sorted({c.pid for c in psutil.net_connections(kind="tcp")
-                   if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid})
+    pids = listeners(port)
     for pid in pids:
         subprocess.run(["taskset", "-a", "-p", "-c", str(cpu), str(pid)], check=True, capture_output=True)
     return pids

@@ -9,7 +9,6 @@ stream never started (the client left first), so what was admitted is always rel
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -41,7 +40,7 @@ class EventStreamResponse(Response):
         self.watch.close_connection = scope.get(CLOSE_CONNECTION)
         try:
             writer = asyncio.ensure_future(self._write(send))
-            listener = asyncio.ensure_future(_until_disconnect(receive))
+            listener = asyncio.ensure_future(until_disconnect(receive))
             try:
                 await asyncio.wait((writer, listener), return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -51,21 +50,22 @@ class EventStreamResponse(Response):
             if not writer.cancelled() and writer.exception() is not None:
                 raise writer.exception()  # type: ignore[misc]
         finally:
-            with contextlib.suppress(BaseException):
-                await self.events.aclose()  # never started (client left first): close it all the same
+            # Closes the events however the writer ended; also when they never started (the client left
+            # first), so the endpoint's cleanup always runs.
+            await self.events.aclose()
             self.on_close()
 
     async def _write(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
         watch = self.watch
-        async with contextlib.aclosing(self.events) as events:
-            async for event in events:
-                watch.sending_since = time.monotonic()
-                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
-                watch.sending_since = None
+        async for event in self.events:
+            watch.sending_since = time.monotonic()
+            await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            watch.sending_since = None
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _until_disconnect(receive: Receive) -> None:
+async def until_disconnect(receive: Receive) -> None:
+    """Returns once the client has gone (every message before that is the request's, already read)."""
     while (await receive())["type"] != "http.disconnect":
         pass

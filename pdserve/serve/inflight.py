@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.output.request_state import RequestState
@@ -93,7 +93,7 @@ async def watch_idle_streams(inflight: InFlight, idle_timeout_s: float, on_expir
             on_expired(closed)
 
 
-async def drain(inflight: InFlight, timeout_s: float, abort: Callable[[list[str]], object]) -> None:
+async def drain(inflight: InFlight, timeout_s: float, abort: Callable[[list[str]], Awaitable[None]]) -> None:
     """Shutdown: refuse new requests, give those in flight ``timeout_s`` to finish, then abort the rest
     (``abort`` sends them the shutdown cause) and give their answers a moment to go out."""
     inflight.draining = True
@@ -103,9 +103,7 @@ async def drain(inflight: InFlight, timeout_s: float, abort: Callable[[list[str]
     if inflight.requests:
         logger.warning("pdserve: shutdown: aborting %d request(s) still in flight after %.1f s",
                        len(inflight.requests), timeout_s)
-        result = abort(list(inflight.requests))
-        if asyncio.iscoroutine(result):
-            await result
+        await abort(list(inflight.requests))
         final = time.monotonic() + 2.0
         while inflight.requests and time.monotonic() < final:
             await asyncio.sleep(0.02)

@@ -20,7 +20,7 @@ from pdserve.protocol.engine import EngineRequest
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.sse import DONE, sse_event
 from pdserve.serve.driver import drive
-from pdserve.serve.event_stream import EventStreamResponse
+from pdserve.serve.event_stream import EventStreamResponse, until_disconnect
 from pdserve.serve.http import engine_error_body, error_body, logger, report_stream_error
 from pdserve.serve.inflight import Prepared, StreamWatch
 from pdserve.serve.state import AppState
@@ -28,13 +28,6 @@ from pdserve.serve.state import AppState
 
 class ClientGone(Exception):
     """The client disconnected before the response was ready."""
-
-
-async def wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 async def run_batch(request: Request, state: AppState, prepared: Sequence[Prepared]) -> None:
@@ -46,7 +39,7 @@ async def run_batch(request: Request, state: AppState, prepared: Sequence[Prepar
             state.metrics.tokens_out.inc(len(update.token_ids))
 
     work = asyncio.ensure_future(asyncio.gather(*(collect(e, r) for e, r in prepared)))
-    gone = asyncio.ensure_future(wait_for_disconnect(request))
+    gone = asyncio.ensure_future(until_disconnect(request.receive))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
@@ -68,11 +61,7 @@ async def respond_batch(
 ) -> Response:
     """Run to completion and answer with ``build()``; counts the request under ``labels``
     (endpoint, output mode) with its status: 200, 499 (client left) or the engine error's 5xx."""
-    try:
-        state.inflight.admit(prepared)
-    except RequestError as e:
-        state.metrics.requests.labels(*labels, str(e.status)).inc()
-        raise
+    _admit(state, prepared, labels)
     state.metrics.running.inc()
     status = "200"
     try:
@@ -96,6 +85,15 @@ async def respond_batch(
         state.metrics.requests.labels(*labels, status).inc()
 
 
+def _admit(state: AppState, prepared: Sequence[Prepared], labels: tuple[str, str]) -> None:
+    """:meth:`InFlight.admit`, counting a refusal (503) under ``labels`` as every answer is counted."""
+    try:
+        state.inflight.admit(prepared)
+    except RequestError as e:
+        state.metrics.requests.labels(*labels, str(e.status)).inc()
+        raise
+
+
 def respond_stream(
     state: AppState, labels: tuple[str, str], prepared: Sequence[Prepared], events: AsyncIterator[str]
 ) -> EventStreamResponse:
@@ -104,11 +102,7 @@ def respond_stream(
     ``data: [DONE]`` last, and the request counted under ``labels`` with its status: 200, the error's
     status or 499 (client left). Admission (:meth:`InFlight.admit`) happens here, before the 200 headers: an
     overloaded or draining server answers 503."""
-    try:
-        state.inflight.admit(prepared)
-    except RequestError as e:
-        state.metrics.requests.labels(*labels, str(e.status)).inc()
-        raise
+    _admit(state, prepared, labels)
 
     async def framed() -> AsyncIterator[str]:
         state.metrics.running.inc()

@@ -71,18 +71,6 @@ def model_id(srv: ServerProcess) -> str:
     return httpx.get(srv.url + "/v1/models", headers=srv.headers, timeout=10).json()["data"][0]["id"]
 
 
-def metrics_text(client: httpx.Client | None, srv: ServerProcess) -> str:
-    get = client.get if client is not None else httpx.get
-    return get(srv.url + "/metrics", headers=srv.headers, timeout=10).text
-
-
-def sample(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} missing from /metrics")
-
-
 IDLE_GAUGES = (
     "pdserve_running_requests", "pdserve_engine_running_requests", "pdserve_engine_running_sequences",
     "pdserve_engine_waiting_requests", "pdserve_live_request_states", "pdserve_live_parsers",
@@ -91,8 +79,7 @@ IDLE_GAUGES = (
 
 
 def idle_gauges(srv: ServerProcess) -> dict[str, float]:
-    text = metrics_text(None, srv)
-    return {name: sample(text, name) for name in IDLE_GAUGES}
+    return {name: srv.metric(name) for name in IDLE_GAUGES}
 
 
 # -- the storm ----------------------------------------------------------------------------------
@@ -421,4 +408,4 @@ def test_mixed_load_every_answer_matches_its_script(load_server: ServerProcess, 
     print(f"load: {total} requests at concurrency {concurrency} in {elapsed:.1f} s, {len(failures)} failed")
     assert done == total
     assert not failures, f"{len(failures)} of {total} failed ({elapsed:.0f} s); first: {failures[:3]}"
-    assert sample(metrics_text(None, load_server), "pdserve_live_request_states") == 0
+    assert load_server.metric("pdserve_live_request_states") == 0

@@ -15,21 +15,12 @@ from typing import Any
 import httpx
 import pytest
 
+from pdserve.conformance.checks_text import TOOLS
 from pdserve.conformance.rules import RULES
 from pdserve.text.tokenizer import Tokenizer
 from tests.interop.peers import MODEL_NAME, PARSER_ARGS, VllmPeer, pdserve
 from tests.serverproc import ServerProcess
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather of a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-        },
-    }
-]
 CHATS: list[dict[str, Any]] = [
     {"messages": [{"role": "user", "content": "Name three colours."}]},
     {
