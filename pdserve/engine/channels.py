@@ -9,6 +9,7 @@ closed before its end reports it, so the engine can abort the request.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from pdserve.engine.api import EngineDeadError, EngineError, KVLoadError
@@ -22,6 +23,38 @@ class _StreamEnd:
 
 _END = _StreamEnd()
 
+_Item = EngineOutput | EngineError | _StreamEnd
+
+
+class _Channel:
+    """One request's queue: a deque and at most one waiting reader.
+
+    What ``asyncio.Queue`` would do, without its bookkeeping (waiter lists, size limits, task
+    counts): this is on the hot path, one put and one get per request per engine step.
+    """
+
+    __slots__ = ("items", "_waiter")
+
+    def __init__(self) -> None:
+        self.items: deque[_Item] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: _Item) -> None:
+        self.items.append(item)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> _Item:
+        while not self.items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self.items.popleft()
+
+    def ends_next(self) -> bool:
+        """The request's end is already queued (its last output was taken): nothing left to abort."""
+        return bool(self.items) and isinstance(self.items[0], (_StreamEnd, EngineError))
+
 
 def failure_error(failure: RequestFailed) -> EngineError:
     """The exception a request's consumer sees for a failure the step loop reported."""
@@ -34,7 +67,7 @@ def failure_error(failure: RequestFailed) -> EngineError:
 
 class OutputChannels:
     def __init__(self) -> None:
-        self._queues: dict[str, asyncio.Queue[EngineOutput | EngineError | _StreamEnd]] = {}
+        self._queues: dict[str, _Channel] = {}
         self.batches_delivered = 0  # how many StepOutputs reached the iterators (one per step)
 
     def deliver(self, batch: StepOutputs) -> None:
@@ -48,30 +81,31 @@ class OutputChannels:
             self._put(failure.request_id, failure_error(failure))
 
     def fail_all(self, error: EngineError) -> None:
-        for queue in self._queues.values():
-            queue.put_nowait(error)
+        for channel in self._queues.values():
+            channel.put(error)
 
-    def _put(self, request_id: str, item: EngineOutput | EngineError | _StreamEnd) -> None:
-        queue = self._queues.get(request_id)
-        if queue is not None:  # else the iterator is already gone
-            queue.put_nowait(item)
+    def _put(self, request_id: str, item: _Item) -> None:
+        channel = self._queues.get(request_id)
+        if channel is not None:  # else the iterator is already gone
+            channel.put(item)
 
     async def stream(
         self, request_id: str, submit: Callable[[], None], abandon: Callable[[], None]
     ) -> AsyncIterator[EngineOutput]:
         """Open the channel, ``submit`` the request, yield until its end or an error.
 
-        ``abandon`` runs when the consumer stops early (the request must be aborted).
+        ``abandon`` runs when the consumer stops early (the request must be aborted); a consumer that
+        stops after the last output, before taking the end queued behind it, has not stopped early.
         """
         if request_id in self._queues:
             raise EngineError(f"request id {request_id!r} is already running")
-        queue: asyncio.Queue[EngineOutput | EngineError | _StreamEnd] = asyncio.Queue()
-        self._queues[request_id] = queue
+        channel = _Channel()
+        self._queues[request_id] = channel
         submit()
         complete = False
         try:
             while True:
-                item = await queue.get()
+                item = await channel.get()
                 if isinstance(item, _StreamEnd):
                     complete = True
                     return
@@ -81,5 +115,5 @@ class OutputChannels:
                 yield item
         finally:
             del self._queues[request_id]
-            if not complete:
+            if not complete and not channel.ends_next():
                 abandon()

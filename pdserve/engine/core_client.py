@@ -4,6 +4,14 @@ It sends typed commands (:mod:`pdserve.engine.messages`) over a ZMQ DEALER and o
 per-request async iterators: each ``StepOutputs`` the core sends (one per step) is dispatched
 to them in one pass (:meth:`~pdserve.engine.channels.OutputChannels.deliver`).
 
+The socket is a plain (blocking-API) ZMQ socket read from the event loop's own reader callback
+on its file descriptor, draining every queued message per wake-up without blocking. pyzmq's
+``zmq.asyncio`` socket costs a future, an event-flag round trip and a re-registration per
+message: a fifth of the API process's CPU per streamed token at one stream, measured
+(docs/benchmarks.md). ZMQ's descriptor is edge-triggered: it fires when the socket's
+state changes, so a drain reads until the queue is empty, and after every send (which may
+consume the change) the socket's events are checked again.
+
 Supervision: a client declares the engine dead (every in-flight iterator raises
 :class:`EngineDeadError`) when the core's pid is gone, the core says its engine died, or
 heartbeats stop for :data:`HEARTBEAT_TIMEOUT_S`.
@@ -12,7 +20,6 @@ heartbeats stop for :data:`HEARTBEAT_TIMEOUT_S`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
 from collections.abc import AsyncIterator
@@ -20,7 +27,6 @@ from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from pdserve.engine.api import EngineDeadError
 from pdserve.engine.channels import OutputChannels
@@ -80,8 +86,12 @@ class EngineCoreClient:
         self.connect_timeout = connect_timeout
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd: int | None = None
+        self._ready: asyncio.Future[Ready] | None = None
+        self._drain_scheduled = False
         self._channels = OutputChannels()
         self._tasks: list[asyncio.Task[None]] = []
         self._dead: EngineDeadError | None = None
@@ -99,16 +109,20 @@ class EngineCoreClient:
         """Connect and handshake: afterwards ``info`` and ``core_pid`` are the core's."""
         if self._sock is not None:
             return
-        self._ctx = zmq.asyncio.Context()
+        self._loop = asyncio.get_running_loop()
+        self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # Never block a send nor stall the core's ROUTER (which drops at its peer's high-water mark).
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.connect(self.addresses.endpoint)
+        self._fd = self._sock.getsockopt(zmq.FD)
+        self._ready = self._loop.create_future()
+        self._loop.add_reader(self._fd, self._drain)
         self._send(Hello())
         try:
-            while True:
-                reply = self._decoder.decode(await asyncio.wait_for(self._sock.recv(), self.connect_timeout))
-                if isinstance(reply, Ready):
-                    break
+            reply = await asyncio.wait_for(self._ready, self.connect_timeout)
         except TimeoutError:
             self._close_socket()
             raise EngineDeadError(
@@ -116,7 +130,7 @@ class EngineCoreClient:
             ) from None
         self.info, self.core_pid = reply.info, reply.pid
         self._last_heard = time.monotonic()
-        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+        self._tasks = [asyncio.create_task(self._watch())]
 
     async def shutdown(self) -> None:
         """Disconnect this client (the core keeps serving others); its in-flight requests end."""
@@ -144,7 +158,8 @@ class EngineCoreClient:
         if self._dead is None:
             self._send(StopSequence(request_id, index))
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """The request's channel itself (no generator around it: one fewer resumption per token)."""
         if self._dead is not None:
             raise self._dead
         if self._sock is None:
@@ -155,21 +170,28 @@ class EngineCoreClient:
             if self._dead is None:
                 self._send(AbortRequests([rid]))
 
-        # aclosing: closing this iterator must close the channel's at once (its cleanup aborts).
-        async with contextlib.aclosing(self._channels.stream(rid, lambda: self._send(AddRequest(request)), abandon)) as outputs:
-            async for output in outputs:
-                yield output
+        return self._channels.stream(rid, lambda: self._send(AddRequest(request)), abandon)
 
     # -- internals ---------------------------------------------------------------------------
 
     def _send(self, message: Any) -> None:
         assert self._sock is not None
-        self._sock.send(self._encoder.encode(message))
+        self._sock.send(self._encoder.encode(message), zmq.NOBLOCK)
+        # A send may take the descriptor's edge for messages that arrived meanwhile: look again.
+        if not self._drain_scheduled and self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+            self._drain_scheduled = True
+            assert self._loop is not None
+            self._loop.call_soon(self._drain)
 
-    async def _receive(self) -> None:
-        assert self._sock is not None
-        while True:
-            frame = await self._sock.recv()
+    def _drain(self) -> None:
+        """Read and dispatch every message queued on the socket (the loop's reader callback).
+
+        Asking for the socket's events before each read (rather than reading until ``zmq.Again``)
+        spares an exception per wake-up and resets the descriptor's edge the same way.
+        """
+        self._drain_scheduled = False
+        while self._sock is not None and self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+            frame = self._sock.recv(zmq.NOBLOCK)
             self._last_heard = time.monotonic()
             try:
                 message = self._decoder.decode(frame)
@@ -180,6 +202,9 @@ class EngineCoreClient:
                 self._channels.deliver(message)
             elif isinstance(message, Heartbeat):
                 self._stats = message.stats
+            elif isinstance(message, Ready):
+                if self._ready is not None and not self._ready.done():
+                    self._ready.set_result(message)
             elif isinstance(message, CoreDead):
                 self._die(f"engine core reported its engine dead: {message.message}")
                 return
@@ -199,6 +224,9 @@ class EngineCoreClient:
         self._channels.fail_all(self._dead)
 
     def _close_socket(self) -> None:
+        if self._fd is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+        self._fd = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None

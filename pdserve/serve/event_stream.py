@@ -4,6 +4,11 @@ It does what Starlette's StreamingResponse does (write each event, stop when the
 two things that one cannot: it marks when each chunk starts waiting for the client, so a slow reader
 can be found (:class:`~pdserve.serve.inflight.StreamWatch`), and its cleanup runs even when the
 stream never started (the client left first), so what was admitted is always released.
+
+The response start goes through the middleware's ``send`` (they record the status); under pdserve's
+HTTP protocol the body chunks then go to the connection's own ``send`` (:data:`SEND_BODY`), sparing
+three wrappers per chunk that only look for the start (CountServerErrors, Starlette's error and
+exception middleware).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from pdserve.serve.inflight import StreamWatch
 # The scope key under which pdserve's HTTP protocol (http.BoundedHttpToolsProtocol) puts a callable
 # that closes the request's connection: how an idle stream is cut off while its send waits.
 CLOSE_CONNECTION = "pdserve.close_connection"
+# The scope key under which the same protocol puts the request cycle's own ``send``.
+SEND_BODY = "pdserve.send_body"
 
 _HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
@@ -39,7 +46,7 @@ class EventStreamResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.watch.close_connection = scope.get(CLOSE_CONNECTION)
         try:
-            writer = asyncio.ensure_future(self._write(send))
+            writer = asyncio.ensure_future(self._write(send, scope.get(SEND_BODY, send)))
             listener = asyncio.ensure_future(until_disconnect(receive))
             try:
                 await asyncio.wait((writer, listener), return_when=asyncio.FIRST_COMPLETED)
@@ -55,14 +62,14 @@ class EventStreamResponse(Response):
             await self.events.aclose()
             self.on_close()
 
-    async def _write(self, send: Send) -> None:
+    async def _write(self, send: Send, send_body: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
         watch = self.watch
         async for event in self.events:
             watch.sending_since = time.monotonic()
-            await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            await send_body({"type": "http.response.body", "body": event.encode(), "more_body": True})
             watch.sending_since = None
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await send_body({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def until_disconnect(receive: Receive) -> None:

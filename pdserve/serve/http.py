@@ -30,7 +30,7 @@ from pdserve.protocol.errors import ErrorInfo, ErrorResponse, RequestError
 from pdserve.protocol.generate import AbortRequest, GenerateRequest
 from pdserve.protocol.limits import MAX_HEADER_BYTES, MAX_JSON_DEPTH, MAX_REQUEST_ID_CHARS
 from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest
-from pdserve.serve.event_stream import CLOSE_CONNECTION
+from pdserve.serve.event_stream import CLOSE_CONNECTION, SEND_BODY
 from pdserve.serve.inflight import RETRY_AFTER_S, InFlight
 from pdserve.serve.state import app_state
 
@@ -277,6 +277,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._reading_head = False
         super().on_headers_complete()
+        # The stream's body chunks go straight to the connection (serve.event_stream); the app still
+        # gets the request's cycle as it did, and the middleware still see the response start.
+        cycle = getattr(self, "cycle", None)
+        if cycle is not None and cycle.scope is self.scope:
+            self.scope[SEND_BODY] = cycle.send  # type: ignore[typeddict-unknown-key]
 
     def send_400_response(self, msg: str) -> None:
         if self._head_too_large:
