@@ -33,7 +33,7 @@ class _Channel:
     counts): this is on the hot path, one put and one get per request per engine step.
     """
 
-    __slots__ = ("items", "_waiter")
+    __slots__ = ("_waiter", "items")
 
     def __init__(self) -> None:
         self.items: deque[_Item] = deque()
