@@ -93,8 +93,11 @@ def stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageInfo | N
         if not cfg.want_logprobs or update.logprobs is None:
             return _plain_stream_chunk(state, update, usage, metrics, {})
     elif cfg.mode == "text":
-        if not cfg.want_logprobs or update.decoded_logprobs is None:
-            return _plain_stream_chunk(state, update, usage, metrics, {"text": update.text})
+        # Decoded logprobs are plain structs (text.logprobs.TokenLogprobs): msgspec encodes them as they are.
+        logprobs = None
+        if cfg.want_logprobs and update.decoded_logprobs is not None:
+            logprobs = {"content": update.decoded_logprobs}
+        return _plain_stream_chunk(state, update, usage, metrics, {"text": update.text}, logprobs=logprobs)
     else:
         hide = state.choices[update.index].hides_metadata
         if not cfg.want_logprobs or update.decoded_logprobs is None or hide:
@@ -105,11 +108,12 @@ def stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageInfo | N
 
 
 def _plain_stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageInfo | None,
-                        metrics: dict[str, Any] | None, payload: dict[str, Any], hide_ids: bool = False) -> dict:
+                        metrics: dict[str, Any] | None, payload: dict[str, Any], hide_ids: bool = False,
+                        logprobs: dict[str, Any] | None = None) -> dict:
     choice: dict[str, Any] = {
         "index": update.index, "finish_reason": update.finish_reason, "stop_reason": update.stop_reason,
         "token_ids": None if hide_ids else update.token_ids, "routed_experts": None, "sampling_mask": None,
-        "weight_versions": None, **payload, "logprobs": None,
+        "weight_versions": None, **payload, "logprobs": logprobs,
     }
     chunk: dict[str, Any] = {
         "request_id": state.request_id, "usage": None if usage is None else usage.model_dump(mode="json"),

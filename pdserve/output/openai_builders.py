@@ -13,7 +13,6 @@ from pdserve.output.policy import assistant_delta
 from pdserve.output.request_state import ChoiceState, ChoiceUpdate
 from pdserve.protocol.openai import (
     ChatCompletionLogProbs,
-    ChatCompletionLogProbsContent,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
@@ -24,7 +23,7 @@ from pdserve.protocol.openai import (
     DeltaMessage,
     UsageInfo,
 )
-from pdserve.text.logprobs import completion_logprobs
+from pdserve.text.logprobs import TokenLogprobs, completion_logprobs
 
 
 def chat_response(
@@ -70,7 +69,7 @@ def chat_role_chunk(response_id: str, model: str, index: int) -> dict:
 
 def chat_chunk(
     choice_state: ChoiceState, update: ChoiceUpdate, response_id: str, model: str, return_token_ids: bool,
-    usage: UsageInfo | None, logprobs: list[ChatCompletionLogProbsContent] | None = None,
+    usage: UsageInfo | None, logprobs: list[TokenLogprobs] | None = None,
     metrics: dict[str, Any] | None = None,
 ) -> dict:
     """One chat chunk. ``logprobs``: entries the caller decoded itself (stateless derender decodes

@@ -18,9 +18,9 @@ from pdserve.output import live
 from pdserve.output.timing import RequestTiming
 from pdserve.protocol.engine import EngineOutput, PositionLogprobs
 from pdserve.protocol.generate import OutputMode
-from pdserve.protocol.openai import ChatCompletionLogProbsContent, ChatMessage, DeltaMessage
+from pdserve.protocol.openai import ChatMessage, DeltaMessage
 from pdserve.text.detokenizer import IncrementalDetokenizer, StopConfig
-from pdserve.text.logprobs import LogprobDecoder
+from pdserve.text.logprobs import LogprobDecoder, TokenLogprobs
 from pdserve.text.tokenizer import Tokenizer
 
 
@@ -63,7 +63,7 @@ class ChoiceUpdate:
     logprobs: list[PositionLogprobs | None] | None
     text: str = ""
     delta: DeltaMessage | None = None
-    decoded_logprobs: list[ChatCompletionLogProbsContent] | None = None
+    decoded_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -84,7 +84,7 @@ class ChoiceState:
     config: OutputConfig
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs | None] = field(default_factory=list)
-    decoded_logprobs: list[ChatCompletionLogProbsContent] = field(default_factory=list)
+    decoded_logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     detok: IncrementalDetokenizer | None = None

@@ -174,6 +174,9 @@ class DeltaMessage(BaseModel):
 
 
 class ChatCompletionLogProb(BaseModel):
+    # Read by attribute too: the frontend decodes logprobs as plain structs (text.logprobs.TokenLogprobs).
+    model_config = ConfigDict(from_attributes=True)
+
     token: str
     logprob: float = -9999.0
     bytes: list[int] | None = None

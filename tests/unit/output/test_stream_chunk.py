@@ -1,18 +1,17 @@
-"""The hot-path stream chunk (a plain dict when there are no logprobs) is, key for key and in key order,
-what the wire models dump, for any output of any mode (derender with the qwen3 + hermes parsers), finish
-and usage/metrics."""
+"""The hot-path stream chunk (a plain dict, with ``text``'s decoded logprobs as plain structs) encodes, key for
+key and in key order, to what the wire models dump, for any output of any mode (derender with the qwen3 +
+hermes parsers), finish, usage/metrics and logprobs."""
 
 from __future__ import annotations
 
-import json
-
+import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve.output.generate_builders import model_stream_chunk, stream_chunk
 from pdserve.output.request_state import OutputConfig, RequestState
 from pdserve.parsers import ChatParser, ParserConfig
-from pdserve.protocol.engine import EngineOutput
+from pdserve.protocol.engine import EngineOutput, PositionLogprobs
 from pdserve.protocol.openai import ChatCompletionRequest, UsageInfo
 from pdserve.text.detokenizer import StopConfig
 from pdserve.text.tokenizer import Tokenizer
@@ -33,26 +32,32 @@ PARSERS = ParserConfig("qwen3", "hermes", enable_auto_tool_choice=True)
     stop_reason=st.none() | st.integers(0, 5),
     with_usage=st.booleans(),
     with_metrics=st.booleans(),
+    top=st.none() | st.integers(0, 4),
 )
 def test_plain_chunks_equal_the_models_dump(mode: str, pieces: list[str], finish: str, stop_reason: int | None,
-                                            with_usage: bool, with_metrics: bool) -> None:
+                                            with_usage: bool, with_metrics: bool, top: int | None) -> None:
     ids = TOK.encode("".join(pieces))
     factory = (lambda: ChatParser(PARSERS, TOK, CHAT, PROMPT)) if mode == "derender" else None
     config = OutputConfig(mode=mode, prompt_token_ids=PROMPT, tokenizer=TOK,  # type: ignore[arg-type]
                           stop=StopConfig(eos_token_ids=tuple(TOK.eos_token_ids)), parser_factory=factory,
-                          streaming=True, skip_special_tokens=mode != "derender")
+                          streaming=True, skip_special_tokens=mode != "derender", want_logprobs=top is not None,
+                          top_logprobs_limit=top)
     state = RequestState("generate-tokens-x#1", 1, config)
     usage = UsageInfo(prompt_tokens=3, completion_tokens=len(ids), total_tokens=3 + len(ids)) if with_usage else None
     metrics = {"time_to_first_token_ms": 1.5, "mean_itl_ms": None} if with_metrics else None
     first = True
     for k, token in enumerate(ids):
         last = k == len(ids) - 1
-        out = EngineOutput(request_id="generate-tokens-x#1", new_token_ids=[token],
+        # The sampled id first, then candidates (one repeats it, as an engine's top-k may), a NaN and a floor.
+        logprobs = None if top is None else [PositionLogprobs(
+            [token, token, 13, 151643, 99], [-0.25, -0.25, float("nan"), -1e5, -2.5], [2, 2, 1, 3, 4])]
+        out = EngineOutput(request_id="generate-tokens-x#1", new_token_ids=[token], new_logprobs=logprobs,
                            finish_reason=finish if last else None, stop_reason=stop_reason if last else None)
         update = state.add(out)
         if update is None:
             continue
         fast = stream_chunk(state, update, usage, first_for_choice=first, metrics=metrics)
         reference = model_stream_chunk(state, update, usage, first_for_choice=first, metrics=metrics)
-        assert json.dumps(fast) == json.dumps(reference)  # same keys, same order, same values
+        # What goes on the wire: same keys, same order, same values.
+        assert msgspec.json.encode(fast) == msgspec.json.encode(reference)
         first = False
