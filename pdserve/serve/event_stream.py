@@ -36,7 +36,7 @@ class EventStreamResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], watch: StreamWatch, on_close: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncIterator[str | bytes], watch: StreamWatch, on_close: Callable[[], None]) -> None:
         self.status_code = 200
         self.background = None
         self.events = events
@@ -67,7 +67,8 @@ class EventStreamResponse(Response):
         watch = self.watch
         async for event in self.events:
             watch.sending_since = time.monotonic()
-            await send_body({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            body = event.encode() if isinstance(event, str) else event
+            await send_body({"type": "http.response.body", "body": body, "more_body": True})
             watch.sending_since = None
         await send_body({"type": "http.response.body", "body": b"", "more_body": False})
 

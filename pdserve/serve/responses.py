@@ -95,7 +95,7 @@ def _admit(state: AppState, prepared: Sequence[Prepared], labels: tuple[str, str
 
 
 def respond_stream(
-    state: AppState, labels: tuple[str, str], prepared: Sequence[Prepared], events: AsyncIterator[str]
+    state: AppState, labels: tuple[str, str], prepared: Sequence[Prepared], events: AsyncIterator[str | bytes]
 ) -> EventStreamResponse:
     """SSE response around an endpoint's events: the running gauge, any failure after the headers (engine
     error, a request error found late, a server bug) as a final ``data: {"error": ...}`` event,
@@ -104,7 +104,7 @@ def respond_stream(
     overloaded or draining server answers 503."""
     _admit(state, prepared, labels)
 
-    async def framed() -> AsyncIterator[str]:
+    async def framed() -> AsyncIterator[str | bytes]:
         state.metrics.running.inc()
         status = "200"
         try:

@@ -12,7 +12,6 @@ the OpenAI models read them by attribute where a response is built through pydan
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import msgspec
@@ -41,9 +40,8 @@ class TokenLogprobs(TokenLogprob):
 
 
 def clamp_logprob(value: float) -> float:
-    if math.isnan(value):
-        return LOGPROB_FLOOR
-    return max(value, LOGPROB_FLOOR)
+    """The floor for anything below it, and for NaN (which compares false: one comparison, per candidate)."""
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def _candidates(position: PositionLogprobs) -> list[tuple[int, float, int]]:

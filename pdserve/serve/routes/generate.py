@@ -13,7 +13,7 @@ from pdserve.output.request_state import RequestState
 from pdserve.protocol.engine import EngineRequest
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import AbortRequest, GenerateRequest, GenerateResponseBase
-from pdserve.protocol.sse import sse_event
+from pdserve.protocol.sse import sse_event, sse_event_bytes
 from pdserve.serve.driver import drive
 from pdserve.serve.http import parse_body
 from pdserve.serve.requests import prepare
@@ -64,7 +64,9 @@ def _batch_builder(state: AppState, rstate: RequestState, base: dict) -> Callabl
     return build
 
 
-async def _stream(state: AppState, req: GenerateRequest, ereq: EngineRequest, rstate: RequestState) -> AsyncIterator[str]:
+async def _stream(
+    state: AppState, req: GenerateRequest, ereq: EngineRequest, rstate: RequestState
+) -> AsyncIterator[str | bytes]:
     engine = state.require_engine()
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
@@ -85,7 +87,7 @@ async def _stream(state: AppState, req: GenerateRequest, ereq: EngineRequest, rs
         if first_chunk and req.return_token_ids:
             chunk["prompt_token_ids"] = req.token_ids
         first_chunk = False
-        yield sse_event(chunk)
+        yield sse_event_bytes(chunk)
     if include_usage:
         head = {"request_id": rstate.request_id, "output_mode": req.output_mode}
         yield sse_event(usage_chunk(head, usage_of(prompt_len, rstate.completion_tokens)))
