@@ -70,7 +70,8 @@ def _vllm_window_ids(tokenizer: Tokenizer, window: list[str]) -> list[int]:
 
 
 def carried_state(
-    tokenizer: Tokenizer, previous: DerenderStreamState, prompt_len: int, delta_len: int, parsed: bool, max_len: int
+    tokenizer: Tokenizer, previous: DerenderStreamState, prompt_len: int, delta_len: int, parsed: bool, max_len: int,
+    vocab_size: int,
 ) -> DerenderStreamState:
     """Check the client-carried state against this model and chunk, in pdserve's terms.
 
@@ -92,7 +93,7 @@ def carried_state(
     for name in ("output_token_ids", "logprob_context_token_ids"):
         ids = getattr(previous, name)
         # Ids are >= 0 by their wire type; max() is one C loop over what may be the whole output.
-        if ids and max(ids) >= tokenizer.vocab_size:
+        if ids and max(ids) >= vocab_size:
             raise RequestError(f"invalid stream_state: {name} has ids outside the vocabulary",
                                param=f"stream_state.{name}")
     # Chunk lengths, where there are any, sum to the ids' count (the wire type checks that).

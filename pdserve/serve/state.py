@@ -48,6 +48,15 @@ class AppState:
         """A reasoning or tool parser reads derender output (it needs the tokenizer too)."""
         return self.parser_config is not None and self.parser_config.configured and self.tokenizer is not None
 
+    @property
+    def output_vocab_size(self) -> int:
+        """Ids a generated output may hold: the model's vocabulary when this server runs one (its embedding
+        is often padded past the tokenizer's, and an engine may sample a padding id, which decodes to ""),
+        else the tokenizer's. What this server's generate emits, its /derender takes back."""
+        if self.engine is not None:
+            return self.engine.info.vocab_size
+        return self.require_tokenizer().vocab_size
+
     def require_engine(self) -> Engine:
         if self.engine is None:
             raise RequestError("this server has no engine (pdserve launch render): it serves render/derender only")

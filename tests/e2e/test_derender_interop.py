@@ -5,6 +5,8 @@
   the request's stop strings then cut (vLLM 0.33's rule; cases from vLLM's derender stop tests).
 * A prompt that ends in the middle of a character never leaks into output deltas.
 * Streaming derender rejects a carried state that cannot belong to the stream (400, not made-up text).
+* What a server's generate may emit, its derender takes back: a model whose embedding is padded past the
+  tokenizer's vocabulary may sample a padding id (it decodes to ""); only ids past the model's are a 400.
 """
 
 from __future__ import annotations
@@ -52,6 +54,13 @@ def render(model_dir: Path) -> Iterator[ServerProcess]:
 def render_parsed(model_dir: Path) -> Iterator[ServerProcess]:
     with ServerProcess("launch", "render", "--tokenizer", str(model_dir), "--reasoning-parser", "qwen3",
                        "--tool-call-parser", "hermes", "--enable-auto-tool-choice") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def torch_server() -> Iterator[ServerProcess]:
+    """qwen3-tiny: its embedding has 151,936 rows, the Qwen3 tokenizer 151,669 ids."""
+    with ServerProcess("serve", "qwen3-tiny", "--max-model-len", "256") as srv:
         yield srv
 
 
@@ -263,3 +272,20 @@ def test_stream_continues_from_a_vllm_decode_window(render: ServerProcess) -> No
                                                 "finish_reason": None}]}
     res = post(render, "/v1/completions/derender", {"stream": True, "generate_chunk": chunk, "stream_state": state})
     assert res["chunk"]["choices"][0]["text"] == "𓀀c"
+
+
+def test_padding_ids_of_the_model_are_derendered_and_ids_past_it_refused(torch_server: ServerProcess) -> None:
+    padding = TOK.vocab_size + 100  # a row of the model's embedding that no token has
+    model_vocab = 151936
+    rest = [*REST[:2], padding, *REST[2:]]
+    # Generate takes a prompt holding one (the engine's vocabulary bounds it) and may sample them.
+    post(torch_server, "/inference/v1/generate", {"token_ids": [*WORDS, padding], "sampling_params": {"max_tokens": 2}})
+    assert chat_derender(torch_server, rest, "length")["message"]["content"] == "This is the rest"
+    assert completion_derender(torch_server, rest, "length")["text"] == "This is the rest"
+    streamed = stream_derender(torch_server, "/v1/completions/derender", [[padding], REST[:2], [padding], REST[2:]],
+                               "length", prompt_token_ids=[*WORDS, padding])
+    assert [c["text"] for c in streamed][0] == ""
+    assert "".join(c["text"] for c in streamed) == "This is the rest"
+    r = httpx.post(torch_server.url + "/v1/completions/derender", timeout=60,
+                   json={"generate_responses": [tokens_response([*REST, model_vocab])]})
+    assert r.status_code == 400 and f"outside the vocabulary (size {model_vocab})" in r.json()["error"]["message"]

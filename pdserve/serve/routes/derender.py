@@ -56,7 +56,7 @@ def _check_prompt(state: AppState, prompt_ids: Sequence[int] | None) -> None:
     if len(prompt_ids) > limit:
         raise RequestError(f"prompt_token_ids has {len(prompt_ids)} ids, over the model length {limit}",
                            param="prompt_token_ids")
-    vocab = state.tokenizer.vocab_size  # type: ignore[union-attr]
+    vocab = state.output_vocab_size
     bad = next((t for t in prompt_ids if t >= vocab), None)
     if bad is not None:
         raise RequestError(f"prompt_token_ids has token id {bad}, outside the vocabulary (size {vocab})",
@@ -82,14 +82,14 @@ def _max_choices(state: AppState, n: int | None) -> int:
 
 def _check_bounds(state: AppState, choices: Sequence[GenerateTokensChoice], prompt_ids: Sequence[int] | None) -> None:
     _check_prompt(state, prompt_ids)
-    limit = max_model_len(state)
+    limit, vocab = max_model_len(state), state.output_vocab_size
     for c in choices:
         if not c.token_ids:
             raise RequestError(f"choice {c.index} has empty or null token_ids")
         if len(c.token_ids) > limit:
             raise RequestError(f"choice {c.index} has {len(c.token_ids)} token ids, over the model length {limit}")
-        if any(t < 0 or t >= state.tokenizer.vocab_size for t in c.token_ids):  # type: ignore[union-attr]
-            raise RequestError(f"choice {c.index} has token ids outside the vocabulary")
+        if any(t < 0 or t >= vocab for t in c.token_ids):
+            raise RequestError(f"choice {c.index} has token ids outside the vocabulary (size {vocab})")
         content = c.logprobs.content if c.logprobs is not None else None
         if content is not None and any(len(e.top_logprobs) > MAX_LOGPROBS + 1 for e in content):
             raise RequestError(f"choice {c.index} has more than {MAX_LOGPROBS + 1} logprob candidates per position")
@@ -116,9 +116,9 @@ def _stream_choice(
         raise RequestError(f"generate_chunk.choices[0].index is {choice.index}, but the stream has at most {limit} "
                            "choices (the request's n, else this server's max_num_seqs)",
                            param="generate_chunk.choices.index")
-    vocab = state.tokenizer.vocab_size  # type: ignore[union-attr]
+    vocab = state.output_vocab_size
     if any(t < 0 or t >= vocab for t in choice.token_ids or []):
-        raise RequestError(f"choice {choice.index} has token ids outside the vocabulary")
+        raise RequestError(f"choice {choice.index} has token ids outside the vocabulary (size {vocab})")
     return choice
 
 
@@ -197,7 +197,8 @@ def _chat_derender_stream(req: DerenderChatStreamRequest, state: AppState) -> Re
         head = {"id": gchunk.request_id, "object": "chat.completion.chunk", "model": model}
         return _stream_response(usage_chunk(head, usage, drop_nulls=False), previous)
     previous = derender.carried_state(
-        state.tokenizer, previous, len(prompt_ids), len(choice.token_ids or []), parsed, max_model_len(state)  # type: ignore[arg-type]
+        state.tokenizer, previous, len(prompt_ids), len(choice.token_ids or []), parsed, max_model_len(state),  # type: ignore[arg-type]
+        state.output_vocab_size,
     )
     config = derender_chat_config(state, chat, prompt_ids, stop_tokens_config(state, chat), True, False)
     resume = _resume(state, "chat", gchunk.request_id, choice.index, prompt_ids, chat)
@@ -256,7 +257,8 @@ def _completion_derender_stream(req: DerenderCompletionStreamRequest, state: App
         chunk = usage_chunk(head, gchunk.usage, drop_nulls=False)
         return _stream_response(chunk, previous)
     previous = derender.carried_state(
-        state.tokenizer, previous, len(prompt_ids), len(choice.token_ids or []), False, max_model_len(state)  # type: ignore[arg-type]
+        state.tokenizer, previous, len(prompt_ids), len(choice.token_ids or []), False, max_model_len(state),  # type: ignore[arg-type]
+        state.output_vocab_size,
     )
     config = derender_completion_config(state, creq, prompt_ids, stop_tokens_config(state, creq), False)
     top_limit = completion_top_limit(creq.logprobs if creq is not None else None)
