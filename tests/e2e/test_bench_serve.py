@@ -72,13 +72,17 @@ def test_tpot_follows_the_scripted_pace(run: tuple[dict, str, Path]) -> None:
 
 
 def test_server_timing_cpu_and_client_health_are_reported(run: tuple[dict, str, Path]) -> None:
+    # /proc reports CPU in 10 ms ticks: one cell of 36 tokens may show none once the idle rate is subtracted,
+    # so each cell's figure is checked for sense and the run's for being measured at all.
+    api_cpu = [cell["api_cpu_us_per_output_token"] for cell in run[0]["cells"]]
+    assert sum(api_cpu) > 0, api_cpu  # one process: the scripted engine runs in it
     for cell in run[0]["cells"]:
         where = f"{cell['label']} {cell['load']}"
         assert cell["server_metrics_requests"] == NUM_PROMPTS, where
         server_ttft = cell["median_server_time_to_first_token_ms"]
         assert 0 <= server_ttft <= cell["median_ttft_ms"], where
         assert cell["median_server_generation_time_ms"] >= (MAX_TOKENS - 1) * STEP_MS * 0.95, where
-        assert cell["api_cpu_us_per_output_token"] > 0, where  # one process: the scripted engine runs in it
+        assert cell["api_cpu_us_per_output_token"] >= 0, where
         assert not math.isnan(cell["client_cpu_us_per_output_token"])
         assert isinstance(cell["client_fell_behind"], bool)
         assert len(cell["itl_cdf_ms"]) == 101 and cell["itl_cdf_ms"] == sorted(cell["itl_cdf_ms"])
