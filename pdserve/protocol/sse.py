@@ -14,7 +14,7 @@ _encode = msgspec.json.Encoder().encode
 def sse_event(payload: Any) -> str:
     """One event: compact JSON, UTF-8 as is (json.dumps(ensure_ascii=False)'s text, at a fraction of its
     cost per chunk; a non-finite float, which JSON cannot carry, becomes null)."""
-    return "data: " + _encode(payload).decode() + "\n\n"
+    return sse_event_bytes(payload).decode()
 
 
 def sse_event_bytes(payload: Any) -> bytes:

@@ -18,7 +18,7 @@ import msgspec
 
 from pdserve.protocol.engine import PositionLogprobs
 from pdserve.protocol.generate import GenerateLogProb, GenerateLogProbsContent, PromptLogprob
-from pdserve.protocol.openai import CompletionLogProbs
+from pdserve.protocol.openai import ChatCompletionLogProbsContent, CompletionLogProbs
 from pdserve.text.tokenizer import REPLACEMENT_CHAR, Tokenizer
 
 LOGPROB_FLOOR = -9999.0
@@ -152,9 +152,10 @@ def completion_top_limit(logprobs: int | None) -> int | None:
 
 
 def completion_logprobs(
-    content: Sequence[TokenLogprobs], text_offset: int = 0
+    content: Sequence[TokenLogprobs | ChatCompletionLogProbsContent], text_offset: int = 0
 ) -> CompletionLogProbs:
-    """Completions shape from decoded chat-shape entries (running ``text_offset``)."""
+    """Completions shape from decoded chat-shape entries (running ``text_offset``): this frontend's own
+    structs, or a relayed response's entries validated into the OpenAI model (proxy.relay)."""
     result = CompletionLogProbs()
     for entry in content:
         result.tokens.append(entry.token)
