@@ -82,7 +82,9 @@ def main() -> int:
     if not VLLM_PY.is_file() and not args.no_vllm:
         sys.exit("no .venv-vllm: run `make vllm-env` first")
     model = str(model_dir())
-    common = ["--served-model-name", "qwen3-tiny", "--max-model-len", "2048", "--dtype", "float32",
+    # Room for the longest output plus a prompt of bench serve's random dataset.
+    max_model_len = str(max(2048, args.output_len + 1024))
+    common = ["--served-model-name", "qwen3-tiny", "--max-model-len", max_model_len, "--dtype", "float32",
               "--max-num-seqs", "16", *PARSERS, "--host", "127.0.0.1"]
     pd_log, vllm_log = Path("/tmp/bench-vs-vllm-pdserve.log"), Path("/tmp/bench-vs-vllm-vllm.log")
     servers = [start([sys.executable, "-m", "pdserve.cli", "serve", model, *common, "--port", str(args.pdserve_port)],

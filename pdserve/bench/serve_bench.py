@@ -83,6 +83,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="tier baseline: which stateless derender endpoint")
     g.add_argument("--derender-url", default=None, help="tier baseline: the derender server (default: the base URL)")
     g.add_argument("--logprobs", type=int, default=None, help="sampling logprobs per token (generate/completions)")
+    g.add_argument("--stream-interval", type=_list(int, "--stream-interval"), default=None,
+                   help="the requests' stream_interval (tokens per chunk), comma-separated: one arm per value "
+                   "(default: the server's)")
     g = parser.add_argument_group("load")
     g.add_argument("--max-concurrency", type=_list(int, "--max-concurrency"), default=(1,),
                    help="concurrency caps, comma-separated: a sweep (default 1)")
@@ -124,12 +127,22 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def arms_from_args(args: argparse.Namespace) -> list[Arm]:
-    sampling = {} if args.logprobs is None else {"logprobs": args.logprobs}
+    """One arm per URL, endpoint (generate: output mode) and stream interval."""
+    arms = []
+    for interval in args.stream_interval or (None,):
+        sampling: dict[str, Any] = {} if args.logprobs is None else {"logprobs": args.logprobs}
+        if interval is not None:
+            sampling["stream_interval"] = interval
+        arms += _arms(args, sampling, "" if interval is None else f" / interval {interval}")
+    return arms
+
+
+def _arms(args: argparse.Namespace, sampling: dict[str, Any], suffix: str) -> list[Arm]:
     urls = [u.rstrip("/") for u in args.base_url]
     many = len(urls) > 1
 
     def label(base: str, url: str) -> str:
-        return f"{base} @ {urlsplit(url).netloc}" if many else base
+        return f"{base}{suffix} @ {urlsplit(url).netloc}" if many else base + suffix
 
     arms = []
     for url, endpoint in ((u, e) for u in urls for e in args.endpoint):
@@ -213,6 +226,8 @@ def _check(args: argparse.Namespace) -> None:
         raise BenchError("--num-prompts and --rounds must be >= 1, --num-warmups >= 0")
     if any(c < 1 for c in args.max_concurrency) or any(r <= 0 for r in args.request_rate):
         raise BenchError("--max-concurrency values must be >= 1 and --request-rate values > 0")
+    if args.stream_interval and (args.no_stream or min(args.stream_interval) < 1):
+        raise BenchError("--stream-interval values must be >= 1, and only streams have chunks (drop --no-stream)")
     if args.server_pid and len(args.server_pid) != len(server_urls(arms_from_args(args))):
         raise BenchError("--server-pid: give one per server, in --base-url order (then --derender-url)")
     _slo(args)  # a malformed SLO fails before any request

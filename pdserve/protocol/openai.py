@@ -246,7 +246,6 @@ UNSUPPORTED_REQUEST_KEYS: dict[str, tuple[Any, ...]] = {
     "return_prompt_text": (None, False),
     "ec_transfer_params": (None,),
     "repetition_detection": (None,),
-    "stream_interval": (None,),
     "echo": (False, None),
     "suffix": (None,),
     "prompt_embeds": (None,),
@@ -268,6 +267,8 @@ class SamplingRequest(OpenAIModel):
     bad_words: list[str] = Field(default_factory=list)
     response_format: dict[str, Any] | None = None
     add_special_tokens: bool = False
+    # Tokens per stream chunk, raised to the server's --stream-interval; ignored without stream.
+    stream_interval: int | None = Field(None, ge=1)
 
     def unsupported_key(self) -> str | None:
         """The first key that asks for something pdserve does not implement (None when all is served)."""

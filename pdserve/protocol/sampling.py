@@ -47,7 +47,6 @@ UNSUPPORTED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "prompt_logprob_start": (None,),
     "thinking_token_budget": (None, -1),
     "repetition_detection": (None,),
-    "stream_interval": (None,),
     "watermarking": (None, False),
     "routed_experts_prompt_start": (0,),
     "trace_decode_token_ids": (None,),
@@ -104,6 +103,8 @@ class SamplingParams(BaseModel):
     skip_reading_prefix_cache: bool | None = None
     flat_logprobs: bool = False
     output_text_buffer_length: int = 0
+    # Tokens per stream chunk, raised to the server's --stream-interval (pdserve.output.coalesce).
+    stream_interval: int | None = Field(None, ge=1)
     # Refused unless off (see UNSUPPORTED_OFF_VALUES).
     structured_outputs: Any = None
     logprob_token_ids: Any = None
@@ -111,7 +112,6 @@ class SamplingParams(BaseModel):
     prompt_logprob_start: Any = None
     thinking_token_budget: Any = None
     repetition_detection: Any = None
-    stream_interval: Any = None
     watermarking: Any = None
     routed_experts_prompt_start: Any = 0
     trace_decode_token_ids: Any = None

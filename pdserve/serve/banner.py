@@ -1,8 +1,8 @@
 """The line a server prints once it accepts connections: where it listens and what it serves.
 
 Operators read it the way they read ``vllm serve``'s startup lines: the URL, the model and its
-limits, the engine (and its threads), the tokenizer, the parsers, the KV hand-off and the routes this
-role serves.
+limits, the engine (and its threads), the tokenizer, the parsers, the KV hand-off, how streams are chunked
+and the routes this role serves.
 """
 
 from __future__ import annotations
@@ -57,6 +57,13 @@ def _routes_line(state: AppState) -> str:
     return ", ".join([*routes, "/v1/models", "/health", "/metrics"])
 
 
+def _streams_line(state: AppState) -> str:
+    interval = state.config.stream_interval
+    if interval == 1:
+        return "a chunk per engine step (a request's stream_interval may ask for fewer)"
+    return f"a chunk per {interval} tokens of a sequence (--stream-interval; the first token and the end at once)"
+
+
 def _limits_line(state: AppState) -> str:
     """What protects the server under load (docs/reliability.md)."""
     config = state.config
@@ -84,6 +91,7 @@ def ready_banner(state: AppState, url: str) -> str:
         f"  tokenizer  {tokenizer}",
         f"  parsers    {_parsers_line(state)}",
         *([f"  kv         {_kv_line(state)}"] if state.engine is not None else []),
+        *([f"  streams    {_streams_line(state)}"] if state.engine is not None else []),
         f"  limits     {_limits_line(state)}",
         f"  routes     {_routes_line(state)}",
     ])

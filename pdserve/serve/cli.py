@@ -128,6 +128,11 @@ def add_server_commands(sub: argparse._SubParsersAction) -> None:
         "--stream-idle-timeout", type=float, default=DEFAULT_STREAM_IDLE_TIMEOUT_S,
         help="abort a stream whose client has read nothing for this many seconds, freeing its engine slot (0: never)",
     )
+    serve.add_argument(
+        "--stream-interval", type=int, default=1,
+        help="send a stream chunk per N tokens of a sequence instead of one per engine step (the first token "
+        "and the end go out at once); a request's stream_interval may raise it, never lower it",
+    )
     _add_kv_args(serve)
     _add_server_args(serve)
 
@@ -158,6 +163,8 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
     engine_kind = args.engine or ("scripted" if args.script else "torch")
     if args.stream_idle_timeout < 0 or (args.max_waiting_requests < -1):
         raise ValueError("--stream-idle-timeout must be 0 (never) or more; --max-waiting-requests -1 (unbounded) or more")
+    if args.stream_interval < 1:
+        raise ValueError("--stream-interval must be at least 1")
     script = args.script
     tokenizer = args.tokenizer
     if engine_kind == "scripted":
@@ -200,6 +207,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         enable_per_request_metrics=args.enable_per_request_metrics,
         max_waiting_requests=None if args.max_waiting_requests < 0 else args.max_waiting_requests,
         stream_idle_timeout_s=args.stream_idle_timeout or None,
+        stream_interval=args.stream_interval,
         **_common_settings(args),
     )
 

@@ -51,3 +51,5 @@ class ServerConfig:
     # Streaming /derender: parser/detokenizer states kept to continue a stream (0: replay every chunk).
     derender_cache_entries: int = DEFAULT_DERENDER_CACHE_ENTRIES
     derender_cache_ttl_s: float = DEFAULT_DERENDER_CACHE_TTL_S
+    # --stream-interval: the fewest tokens per stream chunk (a request may ask for more).
+    stream_interval: int = 1

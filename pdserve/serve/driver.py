@@ -4,6 +4,8 @@ Shared by every endpoint that generates: it feeds engine outputs into the
 state, tells the engine when the frontend finished a sequence itself (stop
 string), and aborts the engine request whenever the consumer stops early
 (client disconnect, error), so nothing keeps running for a request nobody reads.
+With a stream interval above 1 it folds each sequence's outputs into one per chunk first
+(:mod:`pdserve.output.coalesce`).
 
 Aborts are honest: only an abort the client asked for (``/abort_requests``) ends a
 sequence with ``finish_reason: "abort"``. One the client did not ask for (the engine
@@ -17,23 +19,27 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from pdserve.engine.api import Engine, EngineError, RequestAborted
+from pdserve.output.coalesce import OutputCoalescer
 from pdserve.output.request_state import ChoiceUpdate, RequestState
 from pdserve.protocol.engine import ABORT_BY_CLIENT, EngineRequest
 
 
 async def drive(engine: Engine, request: EngineRequest, state: RequestState) -> AsyncIterator[ChoiceUpdate]:
     outputs = engine.generate(request)
+    interval = state.config.stream_interval
+    coalescer = OutputCoalescer(interval) if interval > 1 else None
     try:
         async for out in outputs:
             if out.finish_reason == "abort" and out.abort_cause != ABORT_BY_CLIENT:
                 raise RequestAborted(out.abort_cause)
-            update = state.add(out)
-            if update is None:
-                continue
-            choice = state.choices[update.index]
-            if update.finished and choice.stopped_by_string and out.finish_reason is None:
-                await engine.stop_sequence(request.request_id, update.index)
-            yield update
+            for ready in (out,) if coalescer is None else coalescer.push(out):
+                update = state.add(ready)
+                if update is None:
+                    continue
+                choice = state.choices[update.index]
+                if update.finished and choice.stopped_by_string and ready.finish_reason is None:
+                    await engine.stop_sequence(request.request_id, update.index)
+                yield update
             if state.finished:
                 break
         else:

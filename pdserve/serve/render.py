@@ -119,6 +119,7 @@ def _shared_sampling_fields(
         allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words,
         extra_args=req.vllm_xargs,
+        stream_interval=req.stream_interval,
         # What vLLM's render emits: the output kind the request streams with, and a fresh object.
         output_kind=OUTPUT_KIND_DELTA if req.stream else OUTPUT_KIND_FINAL_ONLY,
         skip_clone=True,

@@ -113,7 +113,16 @@ def output_config(state: AppState, req: GenerateRequest, completions_cut: bool =
         top_logprobs_limit=top_limit,
         parser_factory=parser_factory,
         streaming=bool(req.stream),
+        stream_interval=stream_interval(state, req),
     )
+
+
+def stream_interval(state: AppState, req: GenerateRequest) -> int:
+    """Tokens per stream chunk: the request's ``stream_interval`` raised to the server's
+    ``--stream-interval`` (vLLM's rule); a batch request has no chunks to coalesce."""
+    if not req.stream:
+        return 1
+    return max(req.sampling_params.stream_interval or 1, state.config.stream_interval)
 
 
 def prepare(

@@ -21,6 +21,7 @@ def test_a_generate_server_with_parsers_names_its_model_engine_parsers_and_route
         assert "engine     scripted (in-process); max_model_len" in text and "max_num_seqs 4" in text
         assert "tokenizer  qwen3" in text
         assert "parsers    reasoning qwen3, tools hermes" in text
+        assert "streams    a chunk per engine step" in text
         assert "/inference/v1/generate (tokens, text, derender)" in text and "/v1/chat/completions" in text
 
 

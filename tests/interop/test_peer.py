@@ -20,6 +20,7 @@ from pdserve.conformance.rules import RULES
 from pdserve.text.tokenizer import Tokenizer
 from tests.interop.peers import MODEL_NAME, PARSER_ARGS, VllmPeer, pdserve
 from tests.serverproc import ServerProcess
+from tests.sse import stream_post
 
 CHATS: list[dict[str, Any]] = [
     {"messages": [{"role": "user", "content": "Name three colours."}]},
@@ -121,6 +122,19 @@ def test_greedy_tokens_and_text_are_equal(vllm: VllmPeer, pd: ServerProcess) -> 
             assert (ours["finish_reason"], ours["stop_reason"]) == (theirs["finish_reason"], theirs["stop_reason"])
             if mode == "text":
                 assert ours["text"] == theirs["text"]
+
+
+def test_stream_interval_chunks_like_vllm(vllm: VllmPeer, pd: ServerProcess) -> None:
+    # Same greedy tokens, same chunking: the first token alone, then chunks of the interval, the rest last.
+    body = render(pd, CHATS[0], max_tokens=23, temperature=0)
+    body = {**body, "stream": True, "sampling_params": {**body["sampling_params"], "stream_interval": 4}}
+    chunks = {}
+    for name, server in (("pdserve", pd), ("vllm", vllm)):
+        events, done = stream_post(server.url + "/inference/v1/generate", body)
+        assert done, name
+        chunks[name] = [e["choices"][0]["token_ids"] for e in events]
+    assert chunks["pdserve"] == chunks["vllm"]
+    assert [len(c) for c in chunks["pdserve"]] == [1, 4, 4, 4, 4, 4, 2]
 
 
 # -- derender, both ways --------------------------------------------------------------------------------

@@ -155,6 +155,16 @@ def test_chat_parity(servers: Servers, label: str, case: ParserCase) -> None:
                                                                      "stream": True})
     assert done and all(e["output_mode"] == "derender" for e in events)
     inline_stream = [e["choices"][0] for e in events]
+    # One chunk per 4 tokens (the first token and the end at once): the same message, in fewer chunks.
+    events, done = stream_post(srv.url + "/v1/chat/completions", {**chat, "stream": True, "stream_interval": 4})
+    assert done
+    coupled_interval = [e["choices"][0] for e in events if e["choices"]]
+    events, done = stream_post(srv.url + "/inference/v1/generate", {
+        **rendered, "output_mode": "derender", "stream": True,
+        "sampling_params": {**rendered["sampling_params"], "stream_interval": 4},
+    })
+    assert done
+    inline_interval = [e["choices"][0] for e in events]
 
     # Tokens leg, then stateless derender (batch, and per-chunk streaming with stream_state).
     tokens = post(srv, "/inference/v1/generate", {**rendered, "return_token_ids": True})
@@ -187,6 +197,11 @@ def test_chat_parity(servers: Servers, label: str, case: ParserCase) -> None:
         assert inline_choice["token_ids"] is None
     else:
         assert inline_choice["token_ids"] == tokens["choices"][0]["token_ids"]
+    generated = len(tokens["choices"][0]["token_ids"])
+    assert len(inline_interval) <= 2 + (generated - 1) // 4
+    if generated > 12:
+        assert len(inline_interval) < len(inline_stream)
+    streams |= {"coupled stream_interval 4": coupled_interval, "inline stream_interval 4": inline_interval}
     for name, choices in streams.items():
         message = assemble([c["delta"] for c in choices])
         assert message == {**want, "reasoning": case.streamed_reasoning}, name
@@ -220,6 +235,11 @@ def test_text_parity(servers: Servers, case: ParserCase) -> None:
     events, _ = stream_post(srv.url + "/inference/v1/generate",
                             {"token_ids": ids, "output_mode": "text", "stream": True, "sampling_params": sp})
     assert "".join(e["choices"][0]["text"] for e in events) == inline_text
+    events, _ = stream_post(srv.url + "/inference/v1/generate", {
+        "token_ids": ids, "output_mode": "text", "stream": True, "sampling_params": {**sp, "stream_interval": 3}})
+    assert "".join(e["choices"][0]["text"] for e in events) == inline_text
+    assert [c for e in events for c in e["choices"][0]["logprobs"]["content"]] == \
+        text["choices"][0]["logprobs"]["content"]
     # Streaming completions derender of the tokens stream == batch text.
     events, _ = stream_post(srv.url + "/inference/v1/generate", {"token_ids": ids, "stream": True,
                                                                  "sampling_params": sp})
@@ -259,6 +279,13 @@ def test_stop_string_parity(servers: Servers, stop: str, content: str, reasoning
                                                                  "stream": True})
     streamed = assemble([e["choices"][0]["delta"] for e in events])
     assert streamed["content"] == content and streamed["reasoning"] == reasoning
+    # With chunks of 5 tokens the stop string is found later, and the answer is the same.
+    events, _ = stream_post(srv.url + "/inference/v1/generate", {
+        **rendered, "output_mode": "derender", "stream": True,
+        "sampling_params": {**rendered["sampling_params"], "stream_interval": 5}})
+    streamed = assemble([e["choices"][0]["delta"] for e in events])
+    assert streamed["content"] == content and streamed["reasoning"] == reasoning
+    assert events[-1]["choices"][0]["stop_reason"] == stop
     # Text level against /v1/completions and /derender (without the request: cut from stop_reason).
     sp = rendered["sampling_params"]
     text = post(srv, "/inference/v1/generate", {"token_ids": rendered["token_ids"], "output_mode": "text",

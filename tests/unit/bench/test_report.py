@@ -66,6 +66,13 @@ def test_arms_are_urls_times_modes_and_labels_name_the_url_when_several() -> Non
                                                                               "tokens"]
     tier = arms_from_args(parse("--base-url", "http://a:1", "--endpoint", "tier", "--derender-url", "http://d:3"))
     assert tier[0].urls == ("http://a:1", "http://d:3")
+    intervals = arms_from_args(parse("--base-url", "http://a:1", "--output-mode", "tokens,text", "--logprobs", "2",
+                                     "--stream-interval", "1,8"))
+    assert [(a.label, a.sampling) for a in intervals] == [
+        ("tokens / interval 1", {"logprobs": 2, "stream_interval": 1}),
+        ("text / interval 1", {"logprobs": 2, "stream_interval": 1}),
+        ("tokens / interval 8", {"logprobs": 2, "stream_interval": 8}),
+        ("text / interval 8", {"logprobs": 2, "stream_interval": 8})]
     proxy = Arm("p", "http://proxy:1", endpoint="chat", backends=("http://render:2", "http://proxy:1"))
     assert proxy.urls == ("http://proxy:1", "http://render:2")  # its members' CPU is charged to it too
 

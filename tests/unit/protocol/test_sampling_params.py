@@ -75,7 +75,6 @@ REFUSED = [
     ("prompt_logprob_start", 2, None),
     ("thinking_token_budget", 64, -1),
     ("repetition_detection", {"max_pattern_size": 4, "min_count": 3}, {"max_pattern_size": 0}),
-    ("stream_interval", 4, None),
     ("watermarking", True, False),
     ("routed_experts_prompt_start", 3, 0),
     ("trace_decode_token_ids", [4, 5], None),

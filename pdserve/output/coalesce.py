@@ -1,0 +1,95 @@
+"""``stream_interval``: one stream chunk per N tokens of a sequence instead of one per engine step.
+
+vLLM's ``--stream-interval`` and ``SamplingParams.stream_interval`` (the request's value raised to the
+server's). A sequence's outputs are held and folded into one until N tokens have gathered; its outputs
+up to and including the first that carries a token, and the one that finishes it, are released at once
+(so time to first token and the end are never delayed).
+
+The folding happens before the request state, so the detokenizer, the parsers and the chunk builders
+run once per chunk with the whole delta (as they do for any multi-token step): the host saves their
+work, not only the writes. The price: a stop string is found when its chunk is released, so the engine
+may run up to N - 1 tokens past it before it is told to stop; those are cut from the answer like any
+text after a stop string.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdserve.protocol.engine import EngineOutput, PositionLogprobs
+
+
+class OutputCoalescer:
+    """Holds each sequence's outputs until its chunk is due; :meth:`push` says what to release."""
+
+    def __init__(self, interval: int) -> None:
+        if interval < 1:
+            raise ValueError(f"stream interval must be at least 1, got {interval}")
+        self.interval = interval
+        self._held: dict[int, list[EngineOutput]] = {}
+        self._held_tokens: dict[int, int] = {}
+        # Sequences that have released a token: from then on their outputs wait for a full chunk.
+        self._started: set[int] = set()
+
+    def push(self, out: EngineOutput) -> list[EngineOutput]:
+        """Take one engine output; returns the outputs to apply now, in order (often none)."""
+        index = out.index
+        if index not in self._started:
+            if out.new_token_ids:
+                self._started.add(index)
+            return [out]
+        released: list[EngineOutput] = []
+        held = self._held.get(index)
+        if held and not _aligned(held[-1], out):
+            # Logprobs on one side only: folding would misalign them with the ids; send what is held.
+            released.append(self._release(index))
+            held = None
+        if held is None:
+            held = self._held[index] = []
+            self._held_tokens[index] = 0
+        held.append(out)
+        self._held_tokens[index] += len(out.new_token_ids)
+        if out.finish_reason is not None or self._held_tokens[index] >= self.interval:
+            released.append(self._release(index))
+        return released
+
+    def _release(self, index: int) -> EngineOutput:
+        held = self._held.pop(index)
+        del self._held_tokens[index]
+        return held[0] if len(held) == 1 else folded(held)
+
+
+def _has_logprobs(out: EngineOutput) -> bool | None:
+    """Whether an output's ids come with logprobs (None: it has no ids, so either way folds)."""
+    if not out.new_token_ids:
+        return None
+    return out.new_logprobs is not None
+
+
+def _aligned(a: EngineOutput, b: EngineOutput) -> bool:
+    has_a, has_b = _has_logprobs(a), _has_logprobs(b)
+    return has_a is None or has_b is None or has_a == has_b
+
+
+def folded(outputs: list[EngineOutput]) -> EngineOutput:
+    """Consecutive outputs of one sequence as one: ids and logprobs joined in order, the end (finish and
+    stop reasons, abort cause) from the last, what arrives once (prompt logprobs, the first scheduling
+    stamp, KV hand-off params) kept from whichever carried it."""
+    last = outputs[-1]
+    ids: list[int] = []
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs = scheduled_at = kv_params = None
+    cached = 0
+    for out in outputs:
+        ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None:
+            logprobs = [] if logprobs is None else logprobs
+            logprobs.extend(out.new_logprobs)
+        prompt_logprobs = prompt_logprobs if prompt_logprobs is not None else out.prompt_logprobs
+        scheduled_at = scheduled_at if scheduled_at is not None else out.scheduled_at
+        kv_params = out.kv_transfer_params if out.kv_transfer_params is not None else kv_params
+        cached = out.num_cached_tokens or cached
+    return msgspec.structs.replace(
+        last, new_token_ids=ids, new_logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        scheduled_at=scheduled_at, kv_transfer_params=kv_params, num_cached_tokens=cached,
+    )

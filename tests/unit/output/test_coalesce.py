@@ -1,0 +1,88 @@
+"""The stream-interval coalescer: nothing lost, nothing reordered, chunks of at least N tokens between a
+sequence's first token and its end, logprobs aligned with their ids (unit level; the e2e tests in
+tests/e2e/test_stream_interval.py run real servers)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdserve.output.coalesce import OutputCoalescer, folded
+from pdserve.protocol.engine import EngineOutput, PositionLogprobs
+
+
+def lp(token: int) -> PositionLogprobs:
+    return PositionLogprobs([token], [-float(token % 7)], [1])
+
+
+def output(index: int, ids: list[int], with_logprobs: bool, finish: str | None = None) -> EngineOutput:
+    return EngineOutput(request_id="r", index=index, new_token_ids=ids,
+                        new_logprobs=[lp(t) for t in ids] if with_logprobs else None,
+                        finish_reason=finish, stop_reason=7 if finish else None)
+
+
+# One sequence's steps: 0 to 3 ids each (an engine step, a spec-decode burst, an empty output).
+steps = st.lists(st.lists(st.integers(0, 1000), max_size=3), min_size=1, max_size=30)
+
+
+@given(steps=steps, interval=st.integers(1, 6), with_logprobs=st.booleans(), two=st.booleans())
+def test_released_outputs_are_the_input_in_chunks_of_the_interval(
+    steps: list[list[int]], interval: int, with_logprobs: bool, two: bool
+) -> None:
+    indexes = [0, 1] if two else [0]
+    coalescer = OutputCoalescer(interval)
+    released: dict[int, list[tuple[int, EngineOutput]]] = {i: [] for i in indexes}
+    for k, ids in enumerate(steps):
+        last = k == len(steps) - 1
+        for i in indexes:
+            for out in coalescer.push(output(i, ids, with_logprobs, "length" if last else None)):
+                released[out.index].append((k, out))
+    for i in indexes:
+        outs = [out for _, out in released[i]]
+        assert [t for out in outs for t in out.new_token_ids] == [t for ids in steps for t in ids]
+        if with_logprobs:
+            assert [p for out in outs for p in out.new_logprobs or []] == [lp(t) for ids in steps for t in ids]
+        assert outs[-1].finish_reason == "length" and outs[-1].stop_reason == 7
+        assert all(out.finish_reason is None for out in outs[:-1])
+        # Up to the first output with a token everything goes out as it comes; then full chunks only.
+        first_token = next((k for k, ids in enumerate(steps) if ids), None)
+        for k, out in released[i]:
+            if first_token is None or k <= first_token:
+                assert len(out.new_token_ids) == len(steps[k])
+            elif out.finish_reason is None:
+                assert len(out.new_token_ids) >= interval
+        if first_token is not None:
+            assert released[i][[k for k, _ in released[i]].index(first_token)][1].new_token_ids == steps[first_token]
+
+
+def test_interval_one_releases_every_output_as_it_is() -> None:
+    coalescer = OutputCoalescer(1)
+    outs = [output(0, [5], True), output(0, [6, 7], True), output(0, [], False, "stop")]
+    assert [coalescer.push(o) for o in outs] == [[o] for o in outs]
+
+
+def test_outputs_with_and_without_logprobs_are_never_folded_together() -> None:
+    coalescer = OutputCoalescer(8)
+    assert coalescer.push(output(0, [1], True))  # the first token goes out at once
+    assert coalescer.push(output(0, [2, 3], True)) == []
+    # ids without logprobs (a replayed output): what is held goes first, with its logprobs.
+    released = coalescer.push(output(0, [4], False))
+    assert [(o.new_token_ids, o.new_logprobs) for o in released] == [([2, 3], [lp(2), lp(3)])]
+    end = coalescer.push(output(0, [], False, "abort"))
+    assert [(o.new_token_ids, o.new_logprobs, o.finish_reason) for o in end] == [([4], None, "abort")]
+
+
+def test_folding_keeps_what_arrives_once() -> None:
+    first = EngineOutput(request_id="r", new_token_ids=[1], prompt_logprobs=[None, lp(3)], scheduled_at=2.5,
+                         num_cached_tokens=16)
+    last = EngineOutput(request_id="r", new_token_ids=[2], finish_reason="stop", kv_transfer_params={"a": 1})
+    out = folded([first, last])
+    assert (out.new_token_ids, out.prompt_logprobs, out.scheduled_at, out.num_cached_tokens) == (
+        [1, 2], [None, lp(3)], 2.5, 16)
+    assert (out.finish_reason, out.kv_transfer_params) == ("stop", {"a": 1})
+
+
+def test_an_interval_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        OutputCoalescer(0)
