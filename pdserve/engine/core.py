@@ -9,7 +9,9 @@ client works by request id. Messages are the msgspec Structs of :mod:`pdserve.en
 
 The loop (:class:`CoreServer`): drain the socket's inbox, run one ``step()`` of the step loop
 (:func:`~pdserve.engine.factory.build_core`), send each client **one** ``StepOutputs`` with
-everything that turn produced for it. No per-request task, queue or iterator lives here.
+everything that turn produced for it. No per-request task, queue or iterator lives here. A request
+streamed with a stream interval has its outputs held until a chunk is due (:mod:`pdserve.engine.coalesce`),
+so a frontend is not woken for steps it would not send.
 
 Supervision: :func:`start_engine_core` spawns the core and waits for its handshake;
 clients learn the core's pid and ``EngineInfo`` on connect and receive a heartbeat with
@@ -37,6 +39,7 @@ import msgspec
 import zmq
 
 from pdserve.engine.api import EngineError
+from pdserve.engine.coalesce import OutputCoalescer
 from pdserve.engine.factory import build_core
 from pdserve.engine.messages import (
     AbortRequests,
@@ -175,6 +178,8 @@ class CoreServer:
         self.clients: set[bytes] = set()
         self.owners: dict[str, bytes] = {}  # request id -> the client that added it
         self.pending: dict[bytes, StepOutputs] = {}  # this turn's batch per client
+        # Requests streamed with a stream interval above 1: their outputs wait here for a full chunk.
+        self.held: dict[str, OutputCoalescer] = {}
         self.steps = 0
         self._last_step = -math.inf
 
@@ -253,17 +258,28 @@ class CoreServer:
             self._batch(identity).failed.append(RequestFailed(rid, text))
             return
         self.owners[rid] = identity
+        if message.request.stream_interval > 1:
+            self.held[rid] = OutputCoalescer(message.request.stream_interval)
 
     def route(self, batch: StepOutputs) -> None:
         """Split one turn's outputs by the client that owns each request."""
         for output in batch.outputs:
             owner = self.owners.get(output.request_id)
-            if owner is not None:
+            if owner is None:
+                continue
+            coalescer = self.held.get(output.request_id)
+            if coalescer is None:
                 self._batch(owner).outputs.append(output)
+            elif released := coalescer.push(output):
+                self._batch(owner).outputs.extend(released)
+        # A finished request has released everything (each sequence's end is released at once); what a
+        # sequence the frontend stopped itself still held is past its stop string.
         for rid in batch.finished:
+            self.held.pop(rid, None)
             if (owner := self.owners.pop(rid, None)) is not None:
                 self._batch(owner).finished.append(rid)
         for failure in batch.failed:
+            self.held.pop(failure.request_id, None)
             if (owner := self.owners.pop(failure.request_id, None)) is not None:
                 self._batch(owner).failed.append(failure)
 

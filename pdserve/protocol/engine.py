@@ -85,6 +85,9 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     priority: int = 0
     # sampling_params.extra_args from the client (engine-specific knobs).
     extra_args: dict[str, Any] | None = None
+    # Tokens per stream chunk: an engine core holds each sequence's outputs until that many have gathered
+    # (the first token and the end go at once; pdserve.engine.coalesce). 1: every step's outputs.
+    stream_interval: int = 1
 
 
 class PositionLogprobs(msgspec.Struct, array_like=True):

@@ -103,7 +103,7 @@ class SamplingParams(BaseModel):
     skip_reading_prefix_cache: bool | None = None
     flat_logprobs: bool = False
     output_text_buffer_length: int = 0
-    # Tokens per stream chunk, raised to the server's --stream-interval (pdserve.output.coalesce).
+    # Tokens per stream chunk, raised to the server's --stream-interval (pdserve.engine.coalesce).
     stream_interval: int | None = Field(None, ge=1)
     # Refused unless off (see UNSUPPORTED_OFF_VALUES).
     structured_outputs: Any = None

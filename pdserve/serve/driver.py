@@ -5,7 +5,7 @@ state, tells the engine when the frontend finished a sequence itself (stop
 string), and aborts the engine request whenever the consumer stops early
 (client disconnect, error), so nothing keeps running for a request nobody reads.
 With a stream interval above 1 it folds each sequence's outputs into one per chunk first
-(:mod:`pdserve.output.coalesce`).
+(:mod:`pdserve.engine.coalesce`).
 
 Aborts are honest: only an abort the client asked for (``/abort_requests``) ends a
 sequence with ``finish_reason: "abort"``. One the client did not ask for (the engine
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from pdserve.engine.api import Engine, EngineError, RequestAborted
-from pdserve.output.coalesce import OutputCoalescer
+from pdserve.engine.coalesce import OutputCoalescer
 from pdserve.output.request_state import ChoiceUpdate, RequestState
 from pdserve.protocol.engine import ABORT_BY_CLIENT, EngineRequest
 

@@ -53,7 +53,7 @@ def skip_special_tokens(requested: bool | None, parser_reads_output: bool) -> bo
     return False if parser_reads_output else requested
 
 
-def engine_request(req: GenerateRequest, request_id: str, max_tokens: int) -> EngineRequest:
+def engine_request(req: GenerateRequest, request_id: str, max_tokens: int, stream_interval: int = 1) -> EngineRequest:
     """The engine's view of a validated request (validation tokenized ``bad_words`` into id sequences)."""
     sp = req.sampling_params
     if sp.bad_words and sp.bad_words_token_ids is None:
@@ -85,6 +85,7 @@ def engine_request(req: GenerateRequest, request_id: str, max_tokens: int) -> En
         kv=parse_kv_transfer_params(req.effective_kv_transfer_params()),
         priority=req.priority,
         extra_args=sp.extra_args,
+        stream_interval=stream_interval,
     )
 
 
@@ -135,8 +136,9 @@ def prepare(
     another request; responses carry ``request_id`` as the client sent it."""
     model_max_tokens = state.tokenizer.generation_defaults.get("max_tokens") if state.tokenizer else None
     max_tokens = resolve_max_tokens(state.require_engine().info.max_model_len, req, model_max_tokens)
-    rstate = RequestState(request_id, req.sampling_params.n, output_config(state, req, completions_cut))
-    return engine_request(req, engine_request_id(request_id), max_tokens), rstate
+    config = output_config(state, req, completions_cut)
+    rstate = RequestState(request_id, req.sampling_params.n, config)
+    return engine_request(req, engine_request_id(request_id), max_tokens, config.stream_interval), rstate
 
 
 # ---------------------------------------------------------------- stateless derender

@@ -171,3 +171,36 @@ def test_one_message_per_engine_step_reaches_the_client(core: EngineCoreHandle) 
     assert outputs >= streams * tokens
     # Requests admitted a few steps apart add a few steps; a message per output would be >= 240.
     assert messages <= tokens + 2 * streams, (messages, outputs)
+
+
+def test_a_stream_interval_is_held_in_the_core_so_the_client_wakes_per_chunk(core: EngineCoreHandle) -> None:
+    """With stream_interval 5 the core sends a request's outputs once per 5 tokens (the first token and the
+    end at once): the same greedy tokens, in about a fifth of the messages; n=2 sequences are held apart."""
+    tokens = 41
+
+    async def go() -> tuple[dict[int, tuple[int, list[EngineOutput]]], list[EngineOutput]]:
+        client = await EngineCoreClient.connect(core.addresses)
+        try:
+            runs = {}
+            for interval in (1, 5):
+                before = client.step_messages
+                request = req(f"interval-{interval}", max_tokens=tokens, temperature=0, ignore_eos=True)
+                request.stream_interval = interval
+                outputs = await collect(client, request)
+                runs[interval] = (client.step_messages - before, outputs)
+            pair = req("interval-n2", max_tokens=12, temperature=0, ignore_eos=True, n=2)
+            pair.stream_interval = 4
+            return runs, await collect(client, pair)
+        finally:
+            await client.shutdown()
+
+    runs, pair = asyncio.run(go())
+    (per_step, every), (held, chunked) = runs[1], runs[5]
+    assert token_ids(chunked) == token_ids(every) and len(token_ids(every)) == tokens
+    assert [len(o.new_token_ids) for o in chunked] == [1] + [5] * 8
+    assert chunked[-1].finish_reason == "length" and all(o.finish_reason is None for o in chunked[:-1])
+    assert per_step >= tokens - 2 and held <= len(chunked) + 1, (per_step, held)
+    for index in (0, 1):
+        sizes = [len(o.new_token_ids) for o in pair if o.index == index]
+        assert sizes == [1, 4, 4, 3], (index, sizes)
+    assert token_ids([o for o in pair if o.index == 0]) == token_ids(every)[:12]

@@ -113,3 +113,32 @@ def test_the_flag_is_checked() -> None:
     run = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "--engine", "scripted", "--script",
                           str(SCRIPTS), "--stream-interval", "0"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "--stream-interval must be at least 1" in run.stderr
+
+
+@pytest.fixture(scope="module")
+def torch_server() -> Iterator[ServerProcess]:
+    """The torch engine in its core process, where outputs are held until a chunk is due."""
+    with ServerProcess("serve", "qwen3-tiny", "--max-model-len", "256", "--stream-interval", "4") as srv:
+        yield srv
+
+
+def test_the_engine_core_sends_chunks_and_stop_strings_still_cut(torch_server: ServerProcess) -> None:
+    sampling = {"max_tokens": 40, "temperature": 0, "ignore_eos": True, "skip_special_tokens": False}
+    batch = gen(torch_server, {"token_ids": PROMPT, "output_mode": "text", "sampling_params": sampling})["choices"][0]
+    events, done = stream_post(torch_server.url + "/inference/v1/generate",
+                               {"token_ids": PROMPT, "output_mode": "text", "stream": True, "sampling_params": sampling})
+    assert done and "".join(ev["choices"][0]["text"] for ev in events) == batch["text"]
+    assert [t for ev in events for t in ev["choices"][0]["token_ids"]] == batch["token_ids"]
+    assert len(events) <= 2 + 39 // 4
+    # A stop string from the middle of the answer, found inside a chunk: the same cut as a batch request.
+    text = batch["text"]
+    # (Greedy output of random weights: take the first window past the middle that is plain enough to match.)
+    stop = next(text[i: i + 3] for i in range(len(text) // 2, len(text) - 3)
+                if text[i: i + 3].strip() and "\ufffd" not in text[i: i + 3] and text.index(text[i: i + 3]) > 0)
+    stopped = {**sampling, "stop": [stop]}
+    want = gen(torch_server, {"token_ids": PROMPT, "output_mode": "text", "sampling_params": stopped})["choices"][0]
+    events, done = stream_post(torch_server.url + "/inference/v1/generate",
+                               {"token_ids": PROMPT, "output_mode": "text", "stream": True, "sampling_params": stopped})
+    assert done and "".join(ev["choices"][0]["text"] for ev in events) == want["text"] == text[: text.index(stop)]
+    assert (events[-1]["choices"][0]["finish_reason"], events[-1]["choices"][0]["stop_reason"]) == ("stop", stop)
+    assert [t for ev in events for t in ev["choices"][0]["token_ids"]] == want["token_ids"]

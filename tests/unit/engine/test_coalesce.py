@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.output.coalesce import OutputCoalescer, folded
+from pdserve.engine.coalesce import OutputCoalescer, folded
 from pdserve.protocol.engine import EngineOutput, PositionLogprobs
 
 

@@ -5,9 +5,12 @@ server's). A sequence's outputs are held and folded into one until N tokens have
 up to and including the first that carries a token, and the one that finishes it, are released at once
 (so time to first token and the end are never delayed).
 
-The folding happens before the request state, so the detokenizer, the parsers and the chunk builders
-run once per chunk with the whole delta (as they do for any multi-token step): the host saves their
-work, not only the writes. The price: a stop string is found when its chunk is released, so the engine
+It runs in two places. The engine core holds each request's outputs before they go to the frontend
+(:mod:`pdserve.engine.core`), so the API process is woken once per chunk, not once per step; and the
+frontend's driver (:mod:`pdserve.serve.driver`) folds again before the request state, for engines that
+run in its own process (an already folded stream passes through unchanged). Either way the detokenizer,
+the parsers and the chunk builders run once per chunk with the whole delta (as they do for any
+multi-token step). The price: a stop string is found when its chunk reaches the frontend, so the engine
 may run up to N - 1 tokens past it before it is told to stop; those are cut from the answer like any
 text after a stop string.
 """
