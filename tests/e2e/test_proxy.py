@@ -118,6 +118,15 @@ def test_answers_equal_the_coupled_server(servers: dict[str, Any], mode: str, pa
     assert_same(_events(proxy, with_usage), _events(coupled, with_usage))
 
 
+def test_a_stream_interval_reaches_the_decode_leg(servers: dict[str, Any]) -> None:
+    # The decode server chunks the stream (the first token, then 4 per chunk) under both proxy modes.
+    body = CHAT | {"stream_interval": 4, "max_tokens": 12}
+    coupled = _events(servers["decodes"][0].url + "/v1/chat/completions", body)
+    assert len([e for e in coupled if e["choices"]]) <= 1 + 1 + 3  # the role, the first token, chunks of 4
+    for mode in ("inline", "derender-tier"):
+        assert_same(_events(servers[mode].url + "/v1/chat/completions", body), coupled)
+
+
 def test_n_choices_in_both_modes(servers: dict[str, Any]) -> None:
     body = CHAT | {"n": 2, "max_tokens": 4}
     coupled = servers["decodes"][0].url + "/v1/chat/completions"
