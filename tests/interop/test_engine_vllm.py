@@ -69,6 +69,15 @@ def test_engine_vllm_streams_like_vllm(on_vllm: ServerProcess, vllm: VllmPeer) -
             ("".join(d.get("content") or "" for d in deltas), "".join(d.get("reasoning") or "" for d in deltas))
         )
     assert texts[0] == texts[1]
+    # A stream interval goes to vLLM's own output processor: the same ids in the same chunks as vLLM's.
+    rendered = answer(on_vllm, "/v1/chat/completions/render", {**CHATS[0], "max_tokens": 23, "temperature": 0})
+    generate = {**rendered, "stream": True, "sampling_params": {**rendered["sampling_params"], "stream_interval": 4}}
+    chunks = []
+    for server in (on_vllm, vllm):
+        events, done = stream_post(server.url + "/inference/v1/generate", generate)
+        assert done
+        chunks.append([e["choices"][0]["token_ids"] for e in events])
+    assert chunks[0] == chunks[1] and [len(c) for c in chunks[0]] == [1, 4, 4, 4, 4, 4, 2]
 
 
 def test_engine_vllm_passes_the_conformance_kit(on_vllm: ServerProcess) -> None:

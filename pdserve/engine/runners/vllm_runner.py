@@ -64,7 +64,8 @@ def require_vllm() -> None:
 
 
 def sampling_params(sampling: SequenceSampling, request: EngineRequest) -> Any:
-    """vLLM ``SamplingParams`` for one request: ids out only (no detokenize), deltas per step."""
+    """vLLM ``SamplingParams`` for one request: ids out only (no detokenize), deltas per step, or per
+    chunk of ``stream_interval`` tokens (vLLM's output processor then holds the steps in between)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -97,6 +98,7 @@ def sampling_params(sampling: SequenceSampling, request: EngineRequest) -> Any:
         detokenize=False,
         skip_special_tokens=False,
         output_kind=RequestOutputKind.DELTA,
+        stream_interval=request.stream_interval if request.stream_interval > 1 else None,
         extra_args=extra_args or None,
     )
 
