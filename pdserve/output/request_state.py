@@ -52,8 +52,6 @@ class OutputConfig:
     # Builds the per-choice parser at the derender level; None = plain text into content.
     parser_factory: Callable[[], ChoiceParser] | None = None
     streaming: bool = False
-    # Tokens per stream chunk (pdserve.engine.coalesce); 1: a chunk per engine step.
-    stream_interval: int = 1
 
 
 @dataclass

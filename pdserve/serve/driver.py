@@ -26,8 +26,9 @@ from pdserve.protocol.engine import ABORT_BY_CLIENT, EngineRequest
 
 async def drive(engine: Engine, request: EngineRequest, state: RequestState) -> AsyncIterator[ChoiceUpdate]:
     outputs = engine.generate(request)
-    interval = state.config.stream_interval
-    coalescer = OutputCoalescer(interval) if interval > 1 else None
+    # An engine core already holds the outputs (pdserve.engine.core); this folding is for the engines
+    # that run in this process, and passes a folded stream through unchanged.
+    coalescer = OutputCoalescer(request.stream_interval) if request.stream_interval > 1 else None
     try:
         async for out in outputs:
             if out.finish_reason == "abort" and out.abort_cause != ABORT_BY_CLIENT:

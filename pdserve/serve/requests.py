@@ -114,7 +114,6 @@ def output_config(state: AppState, req: GenerateRequest, completions_cut: bool =
         top_logprobs_limit=top_limit,
         parser_factory=parser_factory,
         streaming=bool(req.stream),
-        stream_interval=stream_interval(state, req),
     )
 
 
@@ -136,9 +135,8 @@ def prepare(
     another request; responses carry ``request_id`` as the client sent it."""
     model_max_tokens = state.tokenizer.generation_defaults.get("max_tokens") if state.tokenizer else None
     max_tokens = resolve_max_tokens(state.require_engine().info.max_model_len, req, model_max_tokens)
-    config = output_config(state, req, completions_cut)
-    rstate = RequestState(request_id, req.sampling_params.n, config)
-    return engine_request(req, engine_request_id(request_id), max_tokens, config.stream_interval), rstate
+    rstate = RequestState(request_id, req.sampling_params.n, output_config(state, req, completions_cut))
+    return engine_request(req, engine_request_id(request_id), max_tokens, stream_interval(state, req)), rstate
 
 
 # ---------------------------------------------------------------- stateless derender
