@@ -119,10 +119,12 @@ def output_config(state: AppState, req: GenerateRequest, completions_cut: bool =
 
 def stream_interval(state: AppState, req: GenerateRequest) -> int:
     """Tokens per stream chunk: the request's ``stream_interval`` raised to the server's
-    ``--stream-interval`` (vLLM's rule); a batch request has no chunks to coalesce."""
+    ``--stream-interval`` (vLLM's rule); a batch request has no chunks to coalesce. Capped at the model
+    length, which chunks the same (no sequence is longer) and keeps the engine wire's int in range."""
     if not req.stream:
         return 1
-    return max(req.sampling_params.stream_interval or 1, state.config.stream_interval)
+    asked = max(req.sampling_params.stream_interval or 1, state.config.stream_interval)
+    return min(asked, state.require_engine().info.max_model_len)
 
 
 def prepare(

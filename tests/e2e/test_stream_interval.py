@@ -49,6 +49,13 @@ def test_tokens_come_in_chunks_of_the_larger_interval(server: ServerProcess, ask
     assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_an_interval_past_any_length_sends_the_first_token_and_the_rest(server: ServerProcess) -> None:
+    sampling = {"max_tokens": 20, "extra_args": {"script_index": 0}, "stream_interval": 10**30}
+    events, done = stream_post(server.url + "/inference/v1/generate",
+                               {"token_ids": PROMPT, "stream": True, "sampling_params": sampling})
+    assert done and chunk_sizes(events) == [1, 19]
+
+
 def test_text_streams_spell_the_batch_text(server: ServerProcess, script_texts: list[str]) -> None:  # noqa: F811
     for i, expected in enumerate(script_texts):
         events, done = stream_post(server.url + "/inference/v1/generate",
@@ -142,3 +149,11 @@ def test_the_engine_core_sends_chunks_and_stop_strings_still_cut(torch_server: S
     assert done and "".join(ev["choices"][0]["text"] for ev in events) == want["text"] == text[: text.index(stop)]
     assert (events[-1]["choices"][0]["finish_reason"], events[-1]["choices"][0]["stop_reason"]) == ("stop", stop)
     assert [t for ev in events for t in ev["choices"][0]["token_ids"]] == want["token_ids"]
+
+
+def test_an_interval_past_any_length_crosses_to_the_engine_core(torch_server: ServerProcess) -> None:
+    # Capped at the model length on the way: the engine wire carries 64-bit ints.
+    sampling = {"max_tokens": 9, "temperature": 0, "ignore_eos": True, "stream_interval": 10**30}
+    events, done = stream_post(torch_server.url + "/inference/v1/generate",
+                               {"token_ids": PROMPT, "stream": True, "sampling_params": sampling})
+    assert done and chunk_sizes(events) == [1, 8]
