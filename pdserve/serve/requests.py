@@ -24,6 +24,9 @@ from pdserve.text.logprobs import chat_top_limit, completion_top_limit
 
 # A render server (no engine) with no --max-model-len bounds derender input by this.
 DEFAULT_MAX_LEN = 131072
+# No vocabulary has this many ids: a top_k past it keeps every candidate, as 0 does (the sampler reads any
+# top_k >= vocab so); sent as 0, it stays in the engine wire's 64-bit range.
+TOP_K_KEEPS_ALL = 2**31
 
 
 def parser_context(req: GenerateRequest) -> ChatCompletionRequest | None:
@@ -67,7 +70,7 @@ def engine_request(req: GenerateRequest, request_id: str, max_tokens: int, strea
             min_tokens=sp.min_tokens,
             temperature=sp.temperature,
             top_p=sp.top_p,
-            top_k=sp.top_k,
+            top_k=0 if sp.top_k >= TOP_K_KEEPS_ALL else sp.top_k,
             min_p=sp.min_p,
             seed=sp.seed,
             stop_token_ids=sp.stop_token_ids,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,7 +15,7 @@ from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import GenerateRequest
 from pdserve.serve.config import ServerConfig
 from pdserve.serve.metrics import Metrics
-from pdserve.serve.requests import engine_request
+from pdserve.serve.requests import engine_request, prepare
 from pdserve.serve.state import AppState
 from pdserve.serve.validation import bad_words_token_ids, validate_generate
 from pdserve.text.tokenizer import Tokenizer
@@ -87,3 +88,18 @@ def test_bad_word_sequences_spell_the_word(word: str) -> None:
     if len(sequences) == 2:
         assert TOKENIZER.decode(sequences[1]) == " " + bare
         assert len(sequences[1]) == len(sequences[0]) and sequences[1][0] != sequences[0][0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(top_k=st.integers(-1, 10**40), interval=st.none() | st.integers(1, 10**40), stream=st.booleans())
+def test_any_accepted_int_fits_the_engine_wire(top_k: int, interval: int | None, stream: bool) -> None:
+    # The engine core's wire (msgpack) carries 64-bit ints; values past any vocabulary or length mean the same
+    # as the largest that fits: top_k keeps every candidate, a stream interval sends the first token and the rest.
+    app = state()
+    req = GenerateRequest.model_validate({"token_ids": [9707, 11], "stream": stream,
+                                          "sampling_params": {"top_k": top_k, "stream_interval": interval}})
+    validate_generate(app, req)
+    ereq, _ = prepare(app, req, "r")
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(ereq), type=type(ereq))
+    assert back.sampling.top_k == (top_k if top_k < 2**31 else 0)
+    assert back.stream_interval == (min(interval or 1, app.require_engine().info.max_model_len) if stream else 1)
