@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from pdserve.protocol.limits import MAX_ABORT_IDS, CacheSalt, ChoiceIndex, GenerateRequestId, TokenId
+from pdserve.protocol.limits import MAX_ABORT_IDS, CacheSalt, ChoiceIndex, EngineJSON, GenerateRequestId, TokenId
 from pdserve.protocol.openai import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -93,7 +93,7 @@ class GenerateRequest(BaseModel):
     stream_options: StreamOptions | None = None
     cache_salt: CacheSalt | None = None
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: EngineJSON | None = None
     # Encoder-cache transfer (multimodal disaggregation): text only here, so null.
     ec_transfer_params: dict[str, Any] | None = None
     chat_request: ChatCompletionRequest | None = None

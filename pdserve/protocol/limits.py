@@ -9,9 +9,9 @@ them with the commands that show it. The field types below carry the bounds into
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 # JSON nesting of a request body (objects and arrays). Tool parameter schemas nest a few levels;
 # 10k levels would exhaust the parser's recursion instead.
@@ -53,3 +53,25 @@ GenerateRequestId = Annotated[str, Field(max_length=MAX_GENERATE_REQUEST_ID_CHAR
 CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 ChoiceIndex = Annotated[int, Field(ge=0, lt=MAX_N)]
 StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
+
+# The integers the engine core's wire (msgpack) carries: int64 and uint64.
+WIRE_INT_MIN, WIRE_INT_MAX = -(2**63), 2**64 - 1
+
+
+def fits_engine_wire(value: dict[str, Any]) -> dict[str, Any]:
+    """Free-form JSON that travels to the engine (``extra_args``, ``kv_transfer_params``) may hold no
+    integer the wire cannot carry: one would fail the engine request's encoding after validation."""
+    stack: list[Any] = [value]
+    while stack:  # iterative: the body check already bounds the depth, this stays flat anyway
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, int) and not WIRE_INT_MIN <= item <= WIRE_INT_MAX:
+            raise ValueError(f"holds the integer {item}, outside the 64-bit range [-2**63, 2**64 - 1] "
+                             "an engine request carries")
+    return value
+
+
+EngineJSON = Annotated[dict[str, Any], AfterValidator(fits_engine_wire)]

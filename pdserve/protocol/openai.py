@@ -22,6 +22,7 @@ from pdserve.protocol.limits import (
     MAX_PROMPTS,
     MAX_TOOLS,
     CacheSalt,
+    EngineJSON,
     RequestId,
     TokenId,
 )
@@ -321,9 +322,9 @@ class ChatCompletionRequest(SamplingRequest):
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None
     request_id: RequestId = Field(default_factory=random_hex)
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: EngineJSON | None = None
     # Engine-specific knobs, forwarded as sampling_params.extra_args (vLLM's name).
-    vllm_xargs: dict[str, Any] | None = None
+    vllm_xargs: EngineJSON | None = None
     priority: int = 0
     cache_salt: CacheSalt | None = None
     # Passed to the chat template as vLLM does (reasoning_effort also sets enable_thinking).
@@ -379,8 +380,8 @@ class CompletionRequest(SamplingRequest):
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None
     request_id: RequestId = Field(default_factory=random_hex)
-    kv_transfer_params: dict[str, Any] | None = None
-    vllm_xargs: dict[str, Any] | None = None
+    kv_transfer_params: EngineJSON | None = None
+    vllm_xargs: EngineJSON | None = None
     priority: int = 0
     cache_salt: CacheSalt | None = None
 

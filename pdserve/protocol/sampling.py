@@ -29,6 +29,7 @@ from pdserve.protocol.limits import (
     MAX_N,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    EngineJSON,
     StopString,
 )
 
@@ -95,7 +96,7 @@ class SamplingParams(BaseModel):
     # Per-id additive bias on the logits (JSON object keys are strings; they must parse as ids).
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
-    extra_args: dict[str, Any] | None = None
+    extra_args: EngineJSON | None = None
     # Transport details vLLM emits from /render: accepted, no effect on the answer. vLLM's generate
     # overwrites output_kind; pdserve has no prefix cache to skip and one logprobs wire format.
     output_kind: int = Field(0, ge=0, le=2)

@@ -238,6 +238,11 @@ CASES = [
          headers=(("x-request-id", "r" * 1000),)),
     Case("x-request-id-megabyte", "parsers", CHAT, chat(), "headers are over the limit", status=431,
          headers=(("x-request-id", "r" * 1_000_000),)),
+    # -- free-form JSON bound for the engine: an int the engine wire cannot carry (a 500 on the torch engine before)
+    Case("extra-args-huge-int", "plain", GEN, sp(extra_args={"x": [1, {"y": 10**30}]}), "sampling_params.extra_args"),
+    Case("kv-params-huge-int", "tokens_only", GEN, gen(kv_transfer_params={"n": -(2**64)}), "kv_transfer_params"),
+    Case("vllm-xargs-huge-int", "parsers", CHAT, chat(vllm_xargs={"n": 2**64}), "vllm_xargs"),
+    Case("completions-kv-params-huge-int", "plain", CMPL, cmpl(kv_transfer_params={"n": 2**70}), "kv_transfer_params"),
     Case("abort-ids-not-strings", "tokens_only", ABORT, {"request_ids": [5]}, "request_ids"),
     Case("wrong-content-type", "plain", CHAT, chat(), "application/json", headers=(("content-type", "text/plain"),)),
     Case("huge-header", "plain", "/health", None, "headers are over the limit", status=431,
