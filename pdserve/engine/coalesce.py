@@ -43,7 +43,7 @@ class OutputCoalescer:
             return [out]
         released: list[EngineOutput] = []
         held = self._held.get(index)
-        if held and not _aligned(held[-1], out):
+        if held and not _aligned(held, out):
             # Logprobs on one side only: folding would misalign them with the ids; send what is held.
             released.append(self._release(index))
             held = None
@@ -69,9 +69,12 @@ def _has_logprobs(out: EngineOutput) -> bool | None:
     return out.new_logprobs is not None
 
 
-def _aligned(a: EngineOutput, b: EngineOutput) -> bool:
-    has_a, has_b = _has_logprobs(a), _has_logprobs(b)
-    return has_a is None or has_b is None or has_a == has_b
+def _aligned(held: list[EngineOutput], out: EngineOutput) -> bool:
+    """Whether ``out`` folds into ``held`` with logprobs still aligned: the held ids (all alike, by
+    construction) and the new ones either both come with logprobs or both without."""
+    has_new = _has_logprobs(out)
+    has_held = next((has for has in map(_has_logprobs, held) if has is not None), None)
+    return has_new is None or has_held is None or has_new == has_held
 
 
 def folded(outputs: list[EngineOutput]) -> EngineOutput:
@@ -85,7 +88,7 @@ def folded(outputs: list[EngineOutput]) -> EngineOutput:
     cached = 0
     for out in outputs:
         ids.extend(out.new_token_ids)
-        if out.new_logprobs is not None:
+        if out.new_logprobs is not None and out.new_token_ids:  # an output without ids adds no positions
             logprobs = [] if logprobs is None else logprobs
             logprobs.extend(out.new_logprobs)
         prompt_logprobs = prompt_logprobs if prompt_logprobs is not None else out.prompt_logprobs

@@ -22,38 +22,46 @@ def output(index: int, ids: list[int], with_logprobs: bool, finish: str | None =
                         finish_reason=finish, stop_reason=7 if finish else None)
 
 
-# One sequence's steps: 0 to 3 ids each (an engine step, a spec-decode burst, an empty output).
-steps = st.lists(st.lists(st.integers(0, 1000), max_size=3), min_size=1, max_size=30)
+# One sequence's steps: 0 to 3 ids each (an engine step, a spec-decode burst, an empty output), each with or
+# without logprobs (a replayed output has none).
+steps = st.lists(st.tuples(st.lists(st.integers(0, 1000), max_size=3), st.booleans()), min_size=1, max_size=30)
 
 
-@given(steps=steps, interval=st.integers(1, 6), with_logprobs=st.booleans(), two=st.booleans())
+@given(steps=steps, interval=st.integers(1, 6), two=st.booleans())
 def test_released_outputs_are_the_input_in_chunks_of_the_interval(
-    steps: list[list[int]], interval: int, with_logprobs: bool, two: bool
+    steps: list[tuple[list[int], bool]], interval: int, two: bool
 ) -> None:
     indexes = [0, 1] if two else [0]
     coalescer = OutputCoalescer(interval)
     released: dict[int, list[tuple[int, EngineOutput]]] = {i: [] for i in indexes}
-    for k, ids in enumerate(steps):
+    for k, (ids, with_logprobs) in enumerate(steps):
         last = k == len(steps) - 1
         for i in indexes:
             for out in coalescer.push(output(i, ids, with_logprobs, "length" if last else None)):
                 released[out.index].append((k, out))
+    mixed = len({lp for ids, lp in steps if ids}) > 1
     for i in indexes:
         outs = [out for _, out in released[i]]
-        assert [t for out in outs for t in out.new_token_ids] == [t for ids in steps for t in ids]
-        if with_logprobs:
-            assert [p for out in outs for p in out.new_logprobs or []] == [lp(t) for ids in steps for t in ids]
+        assert [t for out in outs for t in out.new_token_ids] == [t for ids, _ in steps for t in ids]
+        # Logprobs stay with their ids: an output's logprobs are its ids' own, or it has none.
+        for out in outs:
+            assert out.new_logprobs is None or out.new_logprobs == [lp(t) for t in out.new_token_ids]
+        if not mixed:  # then every id has logprobs, or none has
+            has = next((with_lp for ids, with_lp in steps if ids), None)
+            assert all((out.new_logprobs is not None) == has for out in outs if out.new_token_ids)
         assert outs[-1].finish_reason == "length" and outs[-1].stop_reason == 7
         assert all(out.finish_reason is None for out in outs[:-1])
-        # Up to the first output with a token everything goes out as it comes; then full chunks only.
-        first_token = next((k for k, ids in enumerate(steps) if ids), None)
+        # Up to the first output with a token everything goes out as it comes; then full chunks only
+        # (or shorter ones where logprobs come or go).
+        first_token = next((k for k, (ids, _) in enumerate(steps) if ids), None)
         for k, out in released[i]:
             if first_token is None or k <= first_token:
-                assert len(out.new_token_ids) == len(steps[k])
-            elif out.finish_reason is None:
+                assert len(out.new_token_ids) == len(steps[k][0])
+            elif out.finish_reason is None and not mixed:
                 assert len(out.new_token_ids) >= interval
         if first_token is not None:
-            assert released[i][[k for k, _ in released[i]].index(first_token)][1].new_token_ids == steps[first_token]
+            at_first = [out for k, out in released[i] if k == first_token]
+            assert at_first[0].new_token_ids == steps[first_token][0]
 
 
 def test_interval_one_releases_every_output_as_it_is() -> None:
@@ -71,6 +79,16 @@ def test_outputs_with_and_without_logprobs_are_never_folded_together() -> None:
     assert [(o.new_token_ids, o.new_logprobs) for o in released] == [([2, 3], [lp(2), lp(3)])]
     end = coalescer.push(output(0, [], False, "abort"))
     assert [(o.new_token_ids, o.new_logprobs, o.finish_reason) for o in end] == [([4], None, "abort")]
+
+
+def test_an_output_without_ids_between_does_not_hide_a_mismatch() -> None:
+    coalescer = OutputCoalescer(8)
+    assert coalescer.push(output(0, [1], False))
+    assert coalescer.push(output(0, [2], False)) == [] and coalescer.push(output(0, [], False)) == []
+    released = coalescer.push(output(0, [3], True))
+    assert [(o.new_token_ids, o.new_logprobs) for o in released] == [([2], None)]
+    end = coalescer.push(output(0, [], False, "length"))
+    assert [(o.new_token_ids, o.new_logprobs) for o in end] == [([3], [lp(3)])]
 
 
 def test_folding_keeps_what_arrives_once() -> None:
