@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from pdserve.protocol.generate import GenerateRequest
+from pdserve.protocol.limits import WIRE_INT_MAX, WIRE_INT_MIN
 from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest
 from pdserve.protocol.sampling import SamplingParams
 
@@ -126,7 +127,8 @@ sampling_fields = st.fixed_dictionaries(
         "skip_special_tokens": st.booleans(),
         "output_kind": st.integers(0, 2),
         "skip_clone": st.booleans(),
-        "extra_args": st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+        # Within the engine wire's range (past it is a 400: tests/e2e/test_hostile_input.py).
+        "extra_args": st.dictionaries(st.text(max_size=5), st.integers(WIRE_INT_MIN, WIRE_INT_MAX), max_size=2),
     },
 )
 
