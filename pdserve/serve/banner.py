@@ -90,8 +90,8 @@ def ready_banner(state: AppState, url: str) -> str:
         f"  engine     {_engine_line(state)}",
         f"  tokenizer  {tokenizer}",
         f"  parsers    {_parsers_line(state)}",
-        *([f"  kv         {_kv_line(state)}"] if state.engine is not None else []),
-        *([f"  streams    {_streams_line(state)}"] if state.engine is not None else []),
+        *([f"  kv         {_kv_line(state)}", f"  streams    {_streams_line(state)}"]
+          if state.engine is not None else []),
         f"  limits     {_limits_line(state)}",
         f"  routes     {_routes_line(state)}",
     ])

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.test_generate import PROMPT, SCRIPTS, body, gen, script_texts, scripted, tok  # noqa: F401
+from tests.e2e.test_generate import PROMPT, SCRIPTS, body, gen, script_texts, scripted  # noqa: F401
 from tests.e2e.test_ready_banner import banner
 from tests.serverproc import ServerProcess
 from tests.sse import stream_post
