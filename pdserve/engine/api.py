@@ -7,7 +7,7 @@ wire types of :mod:`pdserve.protocol.engine`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol, runtime_checkable
 
 from pdserve.protocol.engine import (
@@ -80,3 +80,17 @@ class Engine(Protocol):
     def is_healthy(self) -> bool: ...
 
     def stats(self) -> EngineStats: ...
+
+
+@runtime_checkable
+class DirectDelivery(Protocol):
+    """An engine whose outputs reach the frontend on its event loop, one pass per step
+    (:class:`~pdserve.engine.channels.OutputChannels`): a consumer may take them there, without a
+    wake-up of its own (:func:`pdserve.serve.driver.drive`)."""
+
+    def attach_sink(self, request_id: str, sink: Callable[[EngineOutput], bool]) -> bool:
+        """Offer the running request's outputs to ``sink`` first (it returns False to decline one);
+        False when the request is not running."""
+
+    def direct_outputs(self) -> int:
+        """Outputs a sink took so far (for /metrics)."""

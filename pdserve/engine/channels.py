@@ -4,6 +4,14 @@ Both the in-process torch engine (fed from its model thread) and the engine-core
 from its socket reader) hand a step's :class:`~pdserve.engine.messages.StepOutputs` to request
 iterators the same way: :meth:`OutputChannels.deliver`, one pass per step. An iterator that is
 closed before its end reports it, so the engine can abort the request.
+
+A request's consumer may also attach a *sink* (:meth:`OutputChannels.attach_sink`): while its
+reader waits on an empty channel, an output is offered to the sink first, in the same pass, and
+one the sink takes is never queued. A streamed answer uses it to write its chunk from here, so
+one dispatch per step serves every stream without waking each stream's task
+(:func:`pdserve.serve.driver.drive`). Whatever the sink declines (an end, an error, an output
+while the reader is busy or the client's connection is full) is queued as before, and everything
+after it too until the reader has caught up, so the order never changes.
 """
 
 from __future__ import annotations
@@ -25,6 +33,10 @@ _END = _StreamEnd()
 
 _Item = EngineOutput | EngineError | _StreamEnd
 
+# Takes one output at once (True) or declines it (False: it is queued for the reader). Runs inside
+# OutputChannels.deliver, so it must not raise.
+Sink = Callable[[EngineOutput], bool]
+
 
 class _Channel:
     """One request's queue: a deque and at most one waiting reader.
@@ -33,17 +45,25 @@ class _Channel:
     counts): this is on the hot path, one put and one get per request per engine step.
     """
 
-    __slots__ = ("_waiter", "items")
+    __slots__ = ("_waiter", "items", "sink")
 
     def __init__(self) -> None:
         self.items: deque[_Item] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self.sink: Sink | None = None
 
-    def put(self, item: _Item) -> None:
+    def put(self, item: _Item) -> bool:
+        """Queue ``item`` and wake the reader; True instead when the sink took it."""
+        # Offered to the sink only while the reader waits (not cancelled) on an empty queue: everything
+        # before was consumed.
+        waiting = self._waiter is not None and not self._waiter.done()
+        if waiting and self.sink is not None and type(item) is EngineOutput and self.sink(item):
+            return True
         self.items.append(item)
         waiter, self._waiter = self._waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        return False
 
     async def get(self) -> _Item:
         while not self.items:
@@ -69,6 +89,7 @@ class OutputChannels:
     def __init__(self) -> None:
         self._queues: dict[str, _Channel] = {}
         self.batches_delivered = 0  # how many StepOutputs reached the iterators (one per step)
+        self.direct_outputs = 0  # outputs a sink took (never queued, no reader woken)
 
     def deliver(self, batch: StepOutputs) -> None:
         """Hand one step's outputs, stream ends and failures to their iterators."""
@@ -80,14 +101,23 @@ class OutputChannels:
         for failure in batch.failed:
             self._put(failure.request_id, failure_error(failure))
 
+    def attach_sink(self, request_id: str, sink: Sink) -> bool:
+        """Offer the request's outputs to ``sink`` from now on (see the module docstring); False when
+        the request's channel is gone."""
+        channel = self._queues.get(request_id)
+        if channel is None:
+            return False
+        channel.sink = sink
+        return True
+
     def fail_all(self, error: EngineError) -> None:
         for channel in self._queues.values():
             channel.put(error)
 
     def _put(self, request_id: str, item: _Item) -> None:
         channel = self._queues.get(request_id)
-        if channel is not None:  # else the iterator is already gone
-            channel.put(item)
+        if channel is not None and channel.put(item):  # else the iterator is already gone
+            self.direct_outputs += 1
 
     async def stream(
         self, request_id: str, submit: Callable[[], None], abandon: Callable[[], None]

@@ -29,7 +29,7 @@ import msgspec
 import zmq
 
 from pdserve.engine.api import EngineDeadError
-from pdserve.engine.channels import OutputChannels
+from pdserve.engine.channels import OutputChannels, Sink
 from pdserve.engine.core import EngineCoreAddresses
 from pdserve.engine.messages import (
     AbortRequests,
@@ -52,6 +52,10 @@ from pdserve.protocol.engine import ABORT_BY_CLIENT, EngineInfo, EngineOutput, E
 HEARTBEAT_TIMEOUT_S = 120.0
 # How often a client checks the core's pid.
 LIVENESS_POLL_S = 0.2
+# The socket-events poll as plain ints: with pyzmq's enum.Flag constants, ``&`` runs enum arithmetic in
+# Python (half the poll's cost), several times per step.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -158,6 +162,12 @@ class EngineCoreClient:
         if self._dead is None:
             self._send(StopSequence(request_id, index))
 
+    def attach_sink(self, request_id: str, sink: Sink) -> bool:
+        return self._channels.attach_sink(request_id, sink)
+
+    def direct_outputs(self) -> int:
+        return self._channels.direct_outputs
+
     def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         """The request's channel itself (no generator around it: one fewer resumption per token)."""
         if self._dead is not None:
@@ -178,7 +188,7 @@ class EngineCoreClient:
         assert self._sock is not None
         self._sock.send(self._encoder.encode(message), zmq.NOBLOCK)
         # A send may take the descriptor's edge for messages that arrived meanwhile: look again.
-        if not self._drain_scheduled and self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+        if not self._drain_scheduled and self._sock.getsockopt(_EVENTS) & _POLLIN:
             self._drain_scheduled = True
             assert self._loop is not None
             self._loop.call_soon(self._drain)
@@ -190,7 +200,7 @@ class EngineCoreClient:
         spares an exception per wake-up and resets the descriptor's edge the same way.
         """
         self._drain_scheduled = False
-        while self._sock is not None and self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+        while self._sock is not None and self._sock.getsockopt(_EVENTS) & _POLLIN:
             frame = self._sock.recv(zmq.NOBLOCK)
             self._last_heard = time.monotonic()
             try:

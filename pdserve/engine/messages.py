@@ -63,7 +63,7 @@ class RequestFailed(msgspec.Struct):
     kind: str = ""
 
 
-class StepOutputs(msgspec.Struct, tag="outputs"):
+class StepOutputs(msgspec.Struct, tag="outputs", omit_defaults=True):
     """Everything one turn of a step loop produced for one client, in order of delivery.
 
     ``finished`` lists requests whose streams end after ``outputs``; ``failed`` those that end

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
-from pdserve.engine.api import Engine
+from pdserve.engine.api import DirectDelivery, Engine
 from pdserve.output.derender_cache import DerenderCache
 from pdserve.serve.config import ServerConfig
 from pdserve.serve.http import Gate, install_error_handlers, install_openapi_bodies
@@ -37,6 +37,7 @@ def create_app(
     metrics = Metrics(
         engine.stats if engine is not None else None, lambda: engine.info.kv if engine is not None else None,
         decoded_ids=lambda: tokenizer.decoded_ids if tokenizer is not None else None,
+        direct_outputs=lambda: engine.direct_outputs() if isinstance(engine, DirectDelivery) else None,
     )
     state = AppState(config=config, engine=engine, tokenizer=tokenizer, metrics=metrics, parser_config=parser_config)
     entries, ttl = config.derender_cache_entries, config.derender_cache_ttl_s

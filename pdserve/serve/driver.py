@@ -7,6 +7,16 @@ string), and aborts the engine request whenever the consumer stops early
 With a stream interval above 1 it folds each sequence's outputs into one per chunk first
 (:mod:`pdserve.engine.coalesce`).
 
+A stream may pass an :class:`Outlet`. Then, on an engine that delivers on the event loop
+(:class:`~pdserve.engine.api.DirectDelivery`), an ordinary output (one that ends nothing) is
+folded in and its update emitted from the engine's dispatch itself, while this generator
+stays parked: one pass per engine step writes every stream's chunk, without a task wake-up and
+a chain of generator resumptions per stream. Everything else comes through this generator as
+before, in order: the first output, the last, aborts, failures, and any output that arrives
+while the outlet cannot take it (the client's connection is full, the previous update is still
+being written). A request with stop strings never uses it: the frontend may end a sequence
+there, which needs the engine told and the stream closed.
+
 Aborts are honest: only an abort the client asked for (``/abort_requests``) ends a
 sequence with ``finish_reason: "abort"``. One the client did not ask for (the engine
 shut down or dropped the request, the server is shutting down) raises
@@ -17,20 +27,54 @@ naming the cause; so does an engine that ends a request before it finished.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Protocol
 
-from pdserve.engine.api import Engine, EngineError, RequestAborted
+from pdserve.engine.api import DirectDelivery, Engine, EngineError, RequestAborted
 from pdserve.engine.coalesce import OutputCoalescer
 from pdserve.output.request_state import ChoiceUpdate, RequestState
-from pdserve.protocol.engine import ABORT_BY_CLIENT, EngineRequest
+from pdserve.protocol.engine import ABORT_BY_CLIENT, EngineOutput, EngineRequest
 
 
-async def drive(engine: Engine, request: EngineRequest, state: RequestState) -> AsyncIterator[ChoiceUpdate]:
+class Outlet(Protocol):
+    """Where a stream's updates can go at once (serve.event_stream.DirectEvents). Only for a consumer
+    that takes :func:`drive`'s updates straight to the client: nothing may buffer them in between,
+    or the two ways would reorder."""
+
+    def ready(self) -> bool:
+        """The next update can be emitted now."""
+
+    def emit(self, update: ChoiceUpdate) -> None:
+        """Send one update on (what the consumer does with an update this generator yields)."""
+
+
+async def drive(
+    engine: Engine, request: EngineRequest, state: RequestState, outlet: Outlet | None = None
+) -> AsyncIterator[ChoiceUpdate]:
     outputs = engine.generate(request)
     # An engine core already holds the outputs (pdserve.engine.core); this folding is for the engines
     # that run in this process, and passes a folded stream through unchanged.
     coalescer = OutputCoalescer(request.stream_interval) if request.stream_interval > 1 else None
+    direct = outlet is not None and not state.config.stop.stop and isinstance(engine, DirectDelivery)
+    failure: list[Exception] = []
+
+    def take(out: EngineOutput) -> bool:
+        """The sink (engine.channels): fold an ordinary output in and emit its update, or decline."""
+        if failure or out.finish_reason is not None or not outlet.ready():  # type: ignore[union-attr]
+            return False
+        try:
+            for ready in (out,) if coalescer is None else coalescer.push(out):
+                update = state.add(ready)
+                if update is not None:
+                    outlet.emit(update)  # type: ignore[union-attr]
+        except Exception as e:  # noqa: BLE001 - a sink must not raise: the reader raises it instead
+            failure.append(e)
+            return False
+        return True
+
     try:
         async for out in outputs:
+            if failure:
+                raise failure[0]
             if out.finish_reason == "abort" and out.abort_cause != ABORT_BY_CLIENT:
                 raise RequestAborted(out.abort_cause)
             for ready in (out,) if coalescer is None else coalescer.push(out):
@@ -43,6 +87,9 @@ async def drive(engine: Engine, request: EngineRequest, state: RequestState) -> 
                 yield update
             if state.finished:
                 break
+            if direct:  # once, after the first output came this way (the response has started by then)
+                direct = False
+                engine.attach_sink(request.request_id, take)  # type: ignore[attr-defined]
         else:
             raise EngineError("the engine ended the request before every sequence finished")
     finally:

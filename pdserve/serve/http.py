@@ -30,7 +30,7 @@ from pdserve.protocol.errors import ErrorInfo, ErrorResponse, RequestError
 from pdserve.protocol.generate import AbortRequest, GenerateRequest
 from pdserve.protocol.limits import MAX_HEADER_BYTES, MAX_JSON_DEPTH, MAX_REQUEST_ID_CHARS
 from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest
-from pdserve.serve.event_stream import CLOSE_CONNECTION, SEND_BODY
+from pdserve.serve.event_stream import CLOSE_CONNECTION, DIRECT_BODY, SEND_BODY
 from pdserve.serve.inflight import RETRY_AFTER_S, InFlight
 from pdserve.serve.state import app_state
 
@@ -239,6 +239,28 @@ class _HeadTooLarge(Exception):
     """Raised from a parser callback to stop parsing a request head over MAX_HEADER_BYTES."""
 
 
+class ChunkedBodyWriter:
+    """Writes a chunk of a streamed body at once, from plain code (no coroutine): what uvicorn's ``send``
+    does for a chunked body when nothing holds it back. :meth:`writable` says when that is: the response
+    has started and not ended, the client is still there and the connection's buffer is below its high
+    mark (flow control). Otherwise the chunk must go through ``send``, which waits."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+
+    def writable(self) -> bool:
+        c = self._cycle
+        return (
+            c.response_started and not c.response_complete and not c.disconnected and c.chunked_encoding is True
+            and not c.flow.write_paused and not c.transport.is_closing()
+        )
+
+    def write(self, body: bytes) -> None:
+        self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+
+
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a bound on request head bytes (request line + headers), which
     httptools itself lacks: past MAX_HEADER_BYTES the connection gets a 431 and is closed, before the
@@ -282,6 +304,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         cycle = getattr(self, "cycle", None)
         if cycle is not None and cycle.scope is self.scope:
             self.scope[SEND_BODY] = cycle.send  # type: ignore[typeddict-unknown-key]
+            self.scope[DIRECT_BODY] = ChunkedBodyWriter(cycle)  # type: ignore[typeddict-unknown-key]
 
     def send_400_response(self, msg: str) -> None:
         if self._head_too_large:

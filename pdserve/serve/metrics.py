@@ -93,12 +93,19 @@ class TokenCounter(Collector):
 
 class _LiveObjectsCollector(Collector):
     """Per-request objects still alive (pdserve.output.live): 0 when nothing runs, unless something leaks;
-    and the ids the server's tokenizer turned into text."""
+    the ids the server's tokenizer turned into text; the outputs streams took from the engine's dispatch."""
 
-    def __init__(self, decoded_ids: Callable[[], int | None]) -> None:
+    def __init__(self, decoded_ids: Callable[[], int | None], direct_outputs: Callable[[], int | None]) -> None:
         self._decoded_ids = decoded_ids
+        self._direct_outputs = direct_outputs
 
     def collect(self) -> Iterator[Metric]:
+        direct = self._direct_outputs()
+        if direct is not None:
+            yield CounterMetricFamily(
+                "pdserve_direct_outputs", "Engine outputs a stream wrote from the engine's dispatch itself, without "
+                "waking its own task (serve.driver)", value=direct,
+            )
         decoded = self._decoded_ids()
         if decoded is not None:
             yield CounterMetricFamily(
@@ -139,6 +146,7 @@ class Metrics:
         self, engine_stats: Callable[[], EngineStats] | None = None,
         kv_pool: Callable[[], KVAgentInfo | None] = lambda: None,
         decoded_ids: Callable[[], int | None] = lambda: None,
+        direct_outputs: Callable[[], int | None] = lambda: None,
     ):
         self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -163,7 +171,7 @@ class Metrics:
             "pdserve_idle_streams_closed", "Streams cut off because their client read nothing for --stream-idle-timeout",
             registry=self.registry,
         )
-        self.registry.register(_LiveObjectsCollector(decoded_ids))
+        self.registry.register(_LiveObjectsCollector(decoded_ids, direct_outputs))
         if engine_stats is not None:
             self.registry.register(_EngineStatsCollector(engine_stats, kv_pool))
 

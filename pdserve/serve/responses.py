@@ -20,7 +20,7 @@ from pdserve.protocol.engine import EngineRequest
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.sse import DONE, sse_event
 from pdserve.serve.driver import drive
-from pdserve.serve.event_stream import EventStreamResponse, until_disconnect
+from pdserve.serve.event_stream import DirectBody, EventStreamResponse, until_disconnect
 from pdserve.serve.http import engine_error_body, error_body, logger, report_stream_error
 from pdserve.serve.inflight import Prepared, StreamWatch
 from pdserve.serve.state import AppState
@@ -95,13 +95,18 @@ def _admit(state: AppState, prepared: Sequence[Prepared], labels: tuple[str, str
 
 
 def respond_stream(
-    state: AppState, labels: tuple[str, str], prepared: Sequence[Prepared], events: AsyncIterator[str | bytes]
+    state: AppState,
+    labels: tuple[str, str],
+    prepared: Sequence[Prepared],
+    events: AsyncIterator[str | bytes],
+    direct: DirectBody | None = None,
 ) -> EventStreamResponse:
     """SSE response around an endpoint's events: the running gauge, any failure after the headers (engine
     error, a request error found late, a server bug) as a final ``data: {"error": ...}`` event,
     ``data: [DONE]`` last, and the request counted under ``labels`` with its status: 200, the error's
     status or 499 (client left). Admission (:meth:`InFlight.admit`) happens here, before the 200 headers: an
-    overloaded or draining server answers 503."""
+    overloaded or draining server answers 503. ``direct`` is where the response lends its connection to
+    the events' producer (serve.event_stream.DirectBody)."""
     _admit(state, prepared, labels)
 
     async def framed() -> AsyncIterator[str | bytes]:
@@ -140,7 +145,7 @@ def respond_stream(
         state.inflight.streams.discard(watch)
         state.inflight.release(prepared)
 
-    return EventStreamResponse(framed(), watch, close)
+    return EventStreamResponse(framed(), watch, close, direct)
 
 
 async def merged_updates(state: AppState, prepared: Sequence[Prepared]) -> AsyncIterator[tuple[int, ChoiceUpdate]]:

@@ -29,7 +29,7 @@ import torch
 from pdserve.checkpoints.model_dir import model_eos_ids
 from pdserve.checkpoints.resolve import model_display_name, resolve_model
 from pdserve.engine.api import EngineDeadError, EngineError
-from pdserve.engine.channels import OutputChannels
+from pdserve.engine.channels import OutputChannels, Sink
 from pdserve.engine.kv.handoff import KVHandoff
 from pdserve.engine.kv.peers import PeerDirectory
 from pdserve.engine.kv.pool import KVBlockPool
@@ -206,6 +206,12 @@ class TorchEngine:
 
     async def stop_sequence(self, request_id: str, index: int) -> None:
         self._inbox.put(StopSequence(request_id, index))
+
+    def attach_sink(self, request_id: str, sink: Sink) -> bool:
+        return self._channels.attach_sink(request_id, sink)
+
+    def direct_outputs(self) -> int:
+        return self._channels.direct_outputs
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         if self._dead is not None:

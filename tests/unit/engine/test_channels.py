@@ -124,3 +124,63 @@ def test_a_second_stream_with_a_running_id_is_refused() -> None:
         await first.aclose()
 
     asyncio.run(main())
+
+
+def test_a_sink_takes_outputs_while_the_reader_waits_and_the_reader_gets_the_rest() -> None:
+    """What the sink takes is neither queued nor wakes the reader; what it declines and the end reach the reader."""
+
+    async def main() -> tuple[list[int], list[int], int]:
+        channels, rec = OutputChannels(), Recorder()
+        stream, first = await first_output(channels, rec, StepOutputs(outputs=[out("r", 1)]))
+        taken: list[int] = []
+        assert channels.attach_sink("r", lambda o: o.finish_reason is None and not taken.append(o.new_token_ids[0]))
+        second = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)
+        channels.deliver(StepOutputs(outputs=[out("r", 2), out("r", 3)]))
+        await asyncio.sleep(0)
+        assert not second.done(), "outputs the sink took must not wake the reader"
+        channels.deliver(StepOutputs(outputs=[out("r", 4, "length")], finished=["r"]))
+        read = [(await second).new_token_ids[0]] + [o.new_token_ids[0] async for o in stream]
+        return [first.new_token_ids[0]] + read, taken, channels.direct_outputs
+
+    read, taken, direct = asyncio.run(main())
+    assert taken == [2, 3] and direct == 2
+    assert read == [1, 4]
+
+
+def test_after_a_declined_output_everything_queues_until_the_reader_caught_up() -> None:
+    """Order: once the sink declines, later outputs of the same pass (and of later passes, while the
+    reader has not come back to an empty channel) are queued behind it, not sunk ahead of it."""
+
+    async def main() -> tuple[list[int], list[int]]:
+        channels, rec = OutputChannels(), Recorder()
+        stream, _ = await first_output(channels, rec, StepOutputs(outputs=[out("r", 1)]))
+        taken: list[int] = []
+
+        def sink(o: EngineOutput) -> bool:
+            if o.new_token_ids[0] == 2:
+                return False
+            taken.append(o.new_token_ids[0])
+            return True
+
+        channels.attach_sink("r", sink)
+        nxt = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)
+        channels.deliver(StepOutputs(outputs=[out("r", 2), out("r", 3)]))
+        channels.deliver(StepOutputs(outputs=[out("r", 4)]))
+        read = [(await nxt).new_token_ids[0], (await anext(stream)).new_token_ids[0],
+                (await anext(stream)).new_token_ids[0]]
+        later = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)  # the reader waits on an empty channel again: the sink takes the next
+        channels.deliver(StepOutputs(outputs=[out("r", 5)], finished=["r"]))
+        with contextlib.suppress(StopAsyncIteration):
+            await later
+        return read, taken
+
+    read, taken = asyncio.run(main())
+    assert read == [2, 3, 4]
+    assert taken == [5]
+
+
+def test_no_sink_without_a_running_request() -> None:
+    assert not OutputChannels().attach_sink("nobody", lambda o: True)

@@ -1,0 +1,80 @@
+"""Streams written from the engine's dispatch (serve.driver's direct path) on a real server: the torch
+engine in its core process, streamed generate read by httpx, against the same request answered in batch.
+
+The direct path must carry the middle of every stream (``pdserve_direct_outputs_total`` counts it) and
+change nothing the client sees; a request with stop strings keeps to the stream's own loop."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.serverproc import ServerProcess
+from tests.sse import stream_post
+
+PROMPT = [9707, 11, 1879, 0, 151644, 872, 198]
+DIRECT = "pdserve_direct_outputs_total"
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with ServerProcess("serve", "qwen3-tiny", "--max-model-len", "256") as srv:
+        yield srv
+
+
+def batch_and_stream(srv: ServerProcess, mode: str, **sampling: Any) -> tuple[dict, list[dict], float]:
+    """The batch answer, the stream's events, and how many outputs the direct path took for the stream."""
+    params = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **sampling}
+    body: dict[str, Any] = {"token_ids": PROMPT, "output_mode": mode, "sampling_params": params}
+    if mode == "derender":
+        body["chat_request"] = {"messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(srv.url + "/inference/v1/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    before = srv.metric(DIRECT)
+    events, done = stream_post(srv.url + "/inference/v1/generate", {**body, "stream": True})
+    assert done
+    return r.json(), events, srv.metric(DIRECT) - before
+
+
+def joined(events: list[dict], index: int, key: str) -> Any:
+    parts = [c[key] for ev in events for c in ev["choices"] if c["index"] == index and c.get(key) is not None]
+    return "".join(parts) if parts and isinstance(parts[0], str) else [x for p in parts for x in p]
+
+
+@pytest.mark.parametrize("mode", ["tokens", "text", "derender"])
+def test_a_stream_written_from_the_dispatch_spells_the_batch_answer(server: ServerProcess, mode: str) -> None:
+    batch, events, direct = batch_and_stream(server, mode)
+    choice = batch["choices"][0]
+    assert joined(events, 0, "token_ids") == choice["token_ids"] and len(choice["token_ids"]) == MAX_TOKENS
+    if mode == "text":
+        assert joined(events, 0, "text") == choice["text"]
+    if mode == "derender":
+        content = "".join((c["delta"].get("content") or "") for ev in events for c in ev["choices"])
+        assert content == choice["message"]["content"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    # One output per engine step: all but the first and the last may go direct, and most must.
+    assert MAX_TOKENS // 2 <= direct <= MAX_TOKENS - 2
+
+
+def test_two_sequences_and_logprobs_go_direct_and_stay_apart(server: ServerProcess) -> None:
+    batch, events, direct = batch_and_stream(server, "text", n=2, temperature=1.0, seed=7, logprobs=3)
+    for choice in batch["choices"]:
+        i = choice["index"]
+        assert joined(events, i, "token_ids") == choice["token_ids"]
+        assert joined(events, i, "text") == choice["text"]
+        streamed = [p for ev in events for c in ev["choices"] if c["index"] == i and c["logprobs"]
+                    for p in c["logprobs"]["content"]]
+        assert [p["token"] for p in streamed] == [p["token"] for p in choice["logprobs"]["content"]]
+        assert [p["logprob"] for p in streamed] == pytest.approx([p["logprob"] for p in choice["logprobs"]["content"]],
+                                                                 abs=1e-4)
+    assert direct >= MAX_TOKENS
+
+
+def test_a_request_with_stop_strings_keeps_to_the_streams_own_loop(server: ServerProcess) -> None:
+    batch, events, direct = batch_and_stream(server, "text", stop=["\u0000never\u0000"])
+    assert joined(events, 0, "text") == batch["choices"][0]["text"]
+    assert direct == 0
