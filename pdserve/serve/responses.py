@@ -19,7 +19,7 @@ from pdserve.output.request_state import ChoiceUpdate, RequestState
 from pdserve.protocol.engine import EngineRequest
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.sse import DONE, sse_event
-from pdserve.serve.driver import drive
+from pdserve.serve.driver import Outlet, drive
 from pdserve.serve.event_stream import DirectBody, EventStreamResponse, until_disconnect
 from pdserve.serve.http import engine_error_body, error_body, logger, report_stream_error
 from pdserve.serve.inflight import Prepared, StreamWatch
@@ -148,12 +148,16 @@ def respond_stream(
     return EventStreamResponse(framed(), watch, close, direct)
 
 
-async def merged_updates(state: AppState, prepared: Sequence[Prepared]) -> AsyncIterator[tuple[int, ChoiceUpdate]]:
-    """Updates of several requests as they come, tagged with the request's position."""
+async def merged_updates(
+    state: AppState, prepared: Sequence[Prepared], outlet: Outlet | None = None
+) -> AsyncIterator[tuple[int, ChoiceUpdate]]:
+    """Updates of several requests as they come, tagged with the request's position. ``outlet``
+    (serve.driver) serves a single request only: several are merged through a queue, which the
+    direct writes would overtake."""
     engine = state.require_engine()
     if len(prepared) == 1:
         ereq, rstate = prepared[0]
-        async for update in drive(engine, ereq, rstate):
+        async for update in drive(engine, ereq, rstate, outlet):
             yield 0, update
         return
     queue: asyncio.Queue[tuple[int, ChoiceUpdate] | BaseException | None] = asyncio.Queue()

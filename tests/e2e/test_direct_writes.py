@@ -1,8 +1,10 @@
 """Streams written from the engine's dispatch (serve.driver's direct path) on a real server: the torch
-engine in its core process, streamed generate read by httpx, against the same request answered in batch.
+engine in its core process, streamed generate read by httpx and chat and completions by the openai SDK,
+against the same request answered in batch.
 
-The direct path must carry the middle of every stream (``pdserve_direct_outputs_total`` counts it) and
-change nothing the client sees; a request with stop strings keeps to the stream's own loop."""
+The direct path must carry the middle of every such stream (``pdserve_direct_outputs_total`` counts it)
+and change nothing the client sees; a request with stop strings, and a completions request with several
+prompts, keep to the stream's own loop."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from tests.serverproc import ServerProcess
@@ -78,3 +81,38 @@ def test_a_request_with_stop_strings_keeps_to_the_streams_own_loop(server: Serve
     batch, events, direct = batch_and_stream(server, "text", stop=["\u0000never\u0000"])
     assert joined(events, 0, "text") == batch["choices"][0]["text"]
     assert direct == 0
+
+
+def test_chat_and_completions_streams_go_direct_through_the_sdk(server: ServerProcess) -> None:
+    """The coupled OpenAI endpoints take the same path (one prompt); the official SDK reads them."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    extra = {"ignore_eos": True}
+    messages = [{"role": "user", "content": "hi"}]
+    batch = client.chat.completions.create(model="qwen3-tiny", messages=messages, max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+                                           temperature=0, extra_body=extra)
+    before = server.metric(DIRECT)
+    stream = client.chat.completions.create(model="qwen3-tiny", messages=messages, max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+                                            temperature=0, extra_body=extra, stream=True)
+    content = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert content == batch.choices[0].message.content
+    assert server.metric(DIRECT) - before >= MAX_TOKENS // 2
+
+    text = client.completions.create(model="qwen3-tiny", prompt="Count:", max_tokens=MAX_TOKENS, temperature=0,
+                                     extra_body=extra).choices[0].text
+    before = server.metric(DIRECT)
+    parts = client.completions.create(model="qwen3-tiny", prompt="Count:", max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body=extra, stream=True)
+    assert "".join(c.choices[0].text for c in parts) == text
+    assert server.metric(DIRECT) - before >= MAX_TOKENS // 2
+
+    # Two prompts are merged through a queue: that stream keeps to its own loop, and still spells both.
+    before = server.metric(DIRECT)
+    two = client.completions.create(model="qwen3-tiny", prompt=["Count:", "Count:"], max_tokens=8, temperature=0,
+                                    extra_body=extra, stream=True)
+    by_index: dict[int, str] = {}
+    for c in two:
+        for ch in c.choices:
+            by_index[ch.index] = by_index.get(ch.index, "") + ch.text
+    assert by_index[0] == by_index[1] == client.completions.create(
+        model="qwen3-tiny", prompt="Count:", max_tokens=8, temperature=0, extra_body=extra).choices[0].text
+    assert server.metric(DIRECT) == before

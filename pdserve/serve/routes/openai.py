@@ -16,10 +16,11 @@ from pdserve.output.openai_builders import (
     completion_response,
 )
 from pdserve.output.policy import usage_chunk, usage_of
-from pdserve.output.request_state import RequestState
+from pdserve.output.request_state import ChoiceUpdate, RequestState
 from pdserve.protocol.generate import GenerateRequest
 from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest, UsageInfo
-from pdserve.protocol.sse import sse_event
+from pdserve.protocol.sse import sse_event, sse_event_bytes
+from pdserve.serve.event_stream import DirectBody, DirectEvents
 from pdserve.serve.http import parse_body
 from pdserve.serve.render import render_chat, render_completion
 from pdserve.serve.requests import prepare
@@ -78,28 +79,35 @@ async def chat_completions(request: Request) -> Response:
     include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
     continuous = include_usage and bool(chat.stream_options and chat.stream_options.continuous_usage_stats)
 
-    async def events() -> AsyncIterator[str]:
-        model = state.model_name
-        prompt_len = len(gen.token_ids)
+    model = state.model_name
+    prompt_len = len(gen.token_ids)
+
+    def event(update: ChoiceUpdate) -> bytes | None:
+        """An update's chunk, for the stream's loop and for the engine's dispatch alike (serve.driver)."""
+        state.metrics.tokens_out.inc(len(update.token_ids))
+        no_delta = update.delta is None or update.delta.is_empty()
+        # A step whose text the parser holds back still carries its logprobs/ids: send it.
+        if no_delta and not update.finished and not update.decoded_logprobs and not (return_ids and update.token_ids):
+            return None
+        usage = usage_of(prompt_len, len(rstate.choices[update.index].token_ids)) if continuous else None
+        choice = rstate.choices[update.index]
+        metrics = rstate.metrics() if state.config.enable_per_request_metrics and rstate.finished else None
+        return sse_event_bytes(chat_chunk(choice, update, response_id, model, return_ids, usage, metrics=metrics))
+
+    direct = DirectBody()
+
+    async def events() -> AsyncIterator[str | bytes]:
         for i in range(len(rstate.choices)):
             yield sse_event(chat_role_chunk(response_id, model, i))
-        async for _, update in merged_updates(state, prepared):
-            state.metrics.tokens_out.inc(len(update.token_ids))
-            no_delta = update.delta is None or update.delta.is_empty()
-            # A step whose text the parser holds back still carries its logprobs/ids: send it.
-            if no_delta and not update.finished and not update.decoded_logprobs and not (
-                return_ids and update.token_ids
-            ):
-                continue
-            usage = usage_of(prompt_len, len(rstate.choices[update.index].token_ids)) if continuous else None
-            choice = rstate.choices[update.index]
-            metrics = rstate.metrics() if state.config.enable_per_request_metrics and rstate.finished else None
-            yield sse_event(chat_chunk(choice, update, response_id, model, return_ids, usage, metrics=metrics))
+        async for _, update in merged_updates(state, prepared, DirectEvents(direct, event)):
+            chunk = event(update)
+            if chunk is not None:
+                yield chunk
         if include_usage:
             head = {"id": response_id, "object": "chat.completion.chunk", "model": model}
             yield sse_event(usage_chunk(head, usage_of(prompt_len, rstate.completion_tokens)))
 
-    return respond_stream(state, ("chat", "derender"), prepared, events())
+    return respond_stream(state, ("chat", "derender"), prepared, events(), direct)
 
 
 @coupled_router.post("/v1/completions")
@@ -126,24 +134,35 @@ async def completions(request: Request) -> Response:
     # Choice indexes run across prompts: prompt k's choice i is k * n + i.
     n = req.n
 
-    async def events() -> AsyncIterator[str]:
-        model = state.model_name
-        offsets: dict[int, int] = {}
-        async for k, update in merged_updates(state, prepared):
-            state.metrics.tokens_out.inc(len(update.token_ids))
-            if not update.text and not update.finished and not update.token_ids:
-                continue
-            index = k * n + update.index
-            offset = offsets.get(index, 0)
-            finished = all(s.finished for s in states)
-            metrics = _single_metrics(state, states) if finished else None
-            yield sse_event(completion_chunk(update, index, offset, response_id, model, return_ids, None, metrics))
-            offsets[index] = offset + len(update.text)
+    model = state.model_name
+    offsets: dict[int, int] = {}
+
+    def event(k: int, update: ChoiceUpdate) -> bytes | None:
+        """Prompt ``k``'s update as a chunk, for the stream's loop and (one prompt) the engine's dispatch."""
+        state.metrics.tokens_out.inc(len(update.token_ids))
+        if not update.text and not update.finished and not update.token_ids:
+            return None
+        index = k * n + update.index
+        offset = offsets.get(index, 0)
+        finished = all(s.finished for s in states)
+        metrics = _single_metrics(state, states) if finished else None
+        offsets[index] = offset + len(update.text)
+        return sse_event_bytes(completion_chunk(update, index, offset, response_id, model, return_ids, None, metrics))
+
+    direct = DirectBody()
+    # Several prompts are merged through a queue, so only a single prompt's stream can be written directly.
+    outlet = DirectEvents(direct, lambda update: event(0, update)) if len(prepared) == 1 else None
+
+    async def events() -> AsyncIterator[str | bytes]:
+        async for k, update in merged_updates(state, prepared, outlet):
+            chunk = event(k, update)
+            if chunk is not None:
+                yield chunk
         if include_usage:
             head = {"id": response_id, "object": "text_completion", "model": model}
             yield sse_event(usage_chunk(head, _completions_usage(states)))
 
-    return respond_stream(state, ("completions", "text"), prepared, events())
+    return respond_stream(state, ("completions", "text"), prepared, events(), direct)
 
 
 def _single_metrics(state: AppState, states: Sequence[RequestState]) -> dict[str, Any] | None:
