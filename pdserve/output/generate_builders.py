@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pdserve.output.policy import assistant_delta, usage_of
+from pdserve.output.policy import assistant_delta, delta_json, usage_of
 from pdserve.output.request_state import ChoiceState, ChoiceUpdate, RequestState
 from pdserve.protocol.generate import (
     GenerateDerenderChoice,
@@ -101,9 +101,8 @@ def stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageInfo | N
     else:
         hide = state.choices[update.index].hides_metadata
         if not cfg.want_logprobs or update.decoded_logprobs is None or hide:
-            delta = assistant_delta(update.delta) if first_for_choice else update.delta or DeltaMessage()
-            return _plain_stream_chunk(state, update, usage, metrics, {"delta": delta.model_dump(mode="json")},
-                                       hide_ids=hide)
+            delta = delta_json(assistant_delta(update.delta) if first_for_choice else update.delta)
+            return _plain_stream_chunk(state, update, usage, metrics, {"delta": delta}, hide_ids=hide)
     return model_stream_chunk(state, update, usage, first_for_choice, metrics)
 
 

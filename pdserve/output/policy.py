@@ -30,6 +30,17 @@ def usage_chunk(head: dict[str, Any], usage: UsageInfo | None, *, drop_nulls: bo
     return {**head, "choices": [], "usage": body}
 
 
+def delta_json(delta: DeltaMessage | None) -> dict[str, Any]:
+    """``delta.model_dump(mode="json")`` (an empty delta's for None), as a plain dict when it has no tool
+    calls: derender and chat streams dump one per token, and pydantic's wrap serializer costs more than
+    the rest of the chunk (tests/unit/output/test_stream_chunk.py checks they encode alike)."""
+    if delta is None:
+        return {"role": None, "content": None, "reasoning": None}
+    if delta.tool_calls:
+        return delta.model_dump(mode="json")
+    return {"role": delta.role, "content": delta.content, "reasoning": delta.reasoning}
+
+
 def assistant_delta(delta: DeltaMessage | None) -> DeltaMessage:
     """A choice's opening delta: ``delta`` (or an empty one) with ``role: "assistant"``, which
     OpenAI-shaped streams send once per choice, on its first delta."""

@@ -8,6 +8,9 @@ prompts, keep to the stream's own loop."""
 
 from __future__ import annotations
 
+import json
+import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +19,8 @@ import openai
 import pytest
 
 from tests.serverproc import ServerProcess
-from tests.sse import stream_post
+from tests.sse import parse_sse, stream_post
+from tests.waiting import wait_until
 
 PROMPT = [9707, 11, 1879, 0, 151644, 872, 198]
 DIRECT = "pdserve_direct_outputs_total"
@@ -25,7 +29,7 @@ MAX_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    with ServerProcess("serve", "qwen3-tiny", "--max-model-len", "256") as srv:
+    with ServerProcess("serve", "qwen3-tiny", "--max-model-len", "1024") as srv:
         yield srv
 
 
@@ -116,3 +120,58 @@ def test_chat_and_completions_streams_go_direct_through_the_sdk(server: ServerPr
     assert by_index[0] == by_index[1] == client.completions.create(
         model="qwen3-tiny", prompt="Count:", max_tokens=8, temperature=0, extra_body=extra).choices[0].text
     assert server.metric(DIRECT) == before
+
+
+def dechunk(raw: bytes) -> bytes:
+    """The body of a chunked HTTP/1.1 response (its head cut off)."""
+    body, rest = b"", raw.split(b"\r\n\r\n", 1)[1]
+    while True:
+        size_line, rest = rest.split(b"\r\n", 1)
+        size = int(size_line, 16)
+        if size == 0:
+            return body
+        body, rest = body + rest[:size], rest[size + 2:]
+
+
+def test_a_slow_reader_falls_back_to_the_streams_loop_and_loses_nothing(server: ServerProcess) -> None:
+    """A client with a tiny receive window that reads nothing for a while: the connection's buffer passes its
+    high mark, chunks wait in the stream's own send, and direct writes resume once it has caught up. What the
+    client finally reads is the whole answer, in order."""
+    sampling = {"max_tokens": 600, "temperature": 0, "ignore_eos": True, "logprobs": 20}  # ~2 KB per chunk
+    body = {"token_ids": PROMPT, "output_mode": "text", "sampling_params": sampling}
+    batch = httpx.post(server.url + "/inference/v1/generate", json=body, timeout=120).json()["choices"][0]
+    payload = json.dumps({**body, "stream": True}).encode()
+    before = server.metric(DIRECT)
+    conn = socket.socket()
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    conn.connect(("127.0.0.1", server.port))
+    try:
+        conn.sendall(b"POST /inference/v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Connection: close\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        time.sleep(3)  # the engine runs on; the server's writes back up
+        conn.settimeout(60)
+        raw = b""
+        while chunk := conn.recv(1 << 16):
+            raw += chunk
+    finally:
+        conn.close()
+    events, done = parse_sse(dechunk(raw).decode().splitlines())
+    assert done
+    assert joined(events, 0, "token_ids") == batch["token_ids"] and len(batch["token_ids"]) == 600
+    assert joined(events, 0, "text") == batch["text"]
+    direct = server.metric(DIRECT) - before
+    assert 0 < direct < 600 - 2, "some outputs must have waited in the stream's own send, the rest gone direct"
+
+
+def test_a_client_that_leaves_mid_stream_has_its_request_aborted(server: ServerProcess) -> None:
+    body = {"token_ids": PROMPT, "stream": True, "sampling_params": {"max_tokens": 240, "ignore_eos": True}}
+    before = server.metric(DIRECT)
+    with httpx.stream("POST", server.url + "/inference/v1/generate", json=body, timeout=60) as r:
+        for n, line in enumerate(r.iter_lines()):
+            if n > 40:
+                break  # closes the connection while the dispatch writes this stream
+    assert server.metric(DIRECT) > before
+    wait_until(lambda: server.metric("pdserve_engine_running_requests") == 0, "the engine request ended")
+    wait_until(lambda: server.metric("pdserve_running_requests") == 0, "the stream ended")
+    wait_until(lambda: server.metric("pdserve_live_request_states") == 0, "its request state was freed")
+    assert server.metric('pdserve_requests_total{endpoint="generate",output_mode="tokens",status="499"}') >= 1

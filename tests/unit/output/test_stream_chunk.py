@@ -1,6 +1,6 @@
-"""The hot-path stream chunk (a plain dict, with ``text``'s decoded logprobs as plain structs) encodes, key for
-key and in key order, to what the wire models dump, for any output of any mode (derender with the qwen3 +
-hermes parsers), finish, usage/metrics and logprobs."""
+"""The hot-path stream chunks (generate's, and the coupled chat stream's: plain dicts, with ``text``'s decoded
+logprobs as plain structs) encode, key for key and in key order, to what the wire models dump, for any output
+of any mode (derender with the qwen3 + hermes parsers), finish, usage/metrics and logprobs."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve.output.generate_builders import model_stream_chunk, stream_chunk
+from pdserve.output.openai_builders import chat_chunk, model_chat_chunk
 from pdserve.output.request_state import OutputConfig, RequestState
 from pdserve.parsers import ChatParser, ParserConfig
 from pdserve.protocol.engine import EngineOutput, PositionLogprobs
@@ -61,3 +62,41 @@ def test_plain_chunks_equal_the_models_dump(mode: str, pieces: list[str], finish
         # What goes on the wire: same keys, same order, same values.
         assert msgspec.json.encode(fast) == msgspec.json.encode(reference)
         first = False
+
+
+@given(
+    pieces=st.lists(st.sampled_from(PIECES), min_size=1, max_size=8),
+    finish=st.sampled_from(["stop", "length", "abort"]),
+    stop_reason=st.none() | st.integers(0, 5),
+    with_usage=st.booleans(),
+    with_metrics=st.booleans(),
+    return_ids=st.booleans(),
+    parsed=st.booleans(),
+    top=st.none() | st.integers(0, 4),
+)
+def test_plain_chat_chunks_equal_the_models_dump(pieces: list[str], finish: str, stop_reason: int | None,
+                                                 with_usage: bool, with_metrics: bool, return_ids: bool, parsed: bool,
+                                                 top: int | None) -> None:
+    """The coupled chat stream's chunk (openai_builders.chat_chunk), plain where it can be, against the models."""
+    ids = TOK.encode("".join(pieces))
+    factory = (lambda: ChatParser(PARSERS, TOK, CHAT, PROMPT)) if parsed else None
+    config = OutputConfig(mode="derender", prompt_token_ids=PROMPT, tokenizer=TOK,
+                          stop=StopConfig(eos_token_ids=tuple(TOK.eos_token_ids)), parser_factory=factory,
+                          streaming=True, skip_special_tokens=False, want_logprobs=top is not None,
+                          top_logprobs_limit=top)
+    state = RequestState("chatcmpl-x", 1, config)
+    usage = UsageInfo(prompt_tokens=3, completion_tokens=len(ids), total_tokens=3 + len(ids)) if with_usage else None
+    metrics = {"time_to_first_token_ms": 1.5, "mean_itl_ms": None} if with_metrics else None
+    for k, token in enumerate(ids):
+        last = k == len(ids) - 1
+        logprobs = None if top is None else [PositionLogprobs([token, 13], [-0.25, -1.5], [1, 2])]
+        update = state.add(EngineOutput(request_id="chatcmpl-x", new_token_ids=[token], new_logprobs=logprobs,
+                                        finish_reason=finish if last else None,
+                                        stop_reason=stop_reason if last else None))
+        if update is None:
+            continue
+        choice = state.choices[0]
+        fast = chat_chunk(choice, update, "chatcmpl-x", "m", return_ids, usage, metrics=metrics)
+        reference = model_chat_chunk(choice, update, "chatcmpl-x", "m", return_ids, usage, metrics=metrics)
+        reference["created"] = fast["created"]  # a clock read apart
+        assert msgspec.json.encode(fast) == msgspec.json.encode(reference)
