@@ -55,12 +55,12 @@ class _Channel:
     def put(self, item: _Item) -> bool:
         """Queue ``item`` and wake the reader; True instead when the sink took it."""
         # Offered to the sink only while the reader waits (not cancelled) on an empty queue: everything
-        # before was consumed.
-        waiting = self._waiter is not None and not self._waiter.done()
-        if waiting and self.sink is not None and type(item) is EngineOutput and self.sink(item):
+        # before was consumed. A channel without a sink (every batch request) checks nothing more.
+        sink, waiter = self.sink, self._waiter
+        if sink is not None and waiter is not None and not waiter.done() and type(item) is EngineOutput and sink(item):
             return True
         self.items.append(item)
-        waiter, self._waiter = self._waiter, None
+        self._waiter = None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
         return False
