@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.engine.sampler import (
+    RawLogprobs,
     SequenceState,
     process_logits,
     request_rules,
@@ -111,6 +112,27 @@ def test_logprobs_come_from_the_raw_logits() -> None:
     norm = math.log(sum(math.exp(v) for v in raw))
     assert lp is not None and lp.token_ids == [1, 0, 1, 2, 3] and lp.ranks == [2, 1, 2, 3, 4]
     assert all(math.isclose(a, raw[t] - norm, rel_tol=1e-6) for a, t in zip(lp.logprobs, lp.token_ids, strict=True))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(st.lists(st.sampled_from([-3.0, -1.0, 0.0, 0.5, 2.0, float("-inf")]), min_size=6, max_size=6),
+                  min_size=1, max_size=4),
+    data=st.data(),
+)
+def test_ranks_count_every_id_above_the_token_wherever_it_ranks(rows: list[list[float]], data: st.DataObject) -> None:
+    """The rank is read from the top-k when the token is in it, else from the whole row: always
+    1 + the ids with a strictly higher logprob (ties included, top-0 included)."""
+    ks = [data.draw(st.sampled_from([None, 0, 1, 2, 6, -1])) for _ in rows]
+    tokens = [data.draw(st.integers(0, 5)) for _ in rows]
+    logits = torch.tensor(rows)
+    for i, position in enumerate(RawLogprobs.of(logits, ks).gather(tokens)):
+        if ks[i] is None:
+            assert position is None
+            continue
+        logprobs = torch.log_softmax(logits[i], -1)
+        assert position is not None and position.ranks[0] == 1 + int((logprobs > logprobs[tokens[i]]).sum())
+        assert position.token_ids[0] == tokens[i] and len(position.token_ids) == 1 + (6 if ks[i] == -1 else ks[i])
 
 
 def test_top_p_applies_to_what_top_k_kept() -> None:
