@@ -16,7 +16,7 @@ import math
 import random
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -36,7 +36,7 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 RANDOM_OUTPUT_LEN = 128
 
 
-def _list(kind: type, name: str) -> Any:
+def _list(kind: Callable[[str], Any], name: str) -> Any:
     def parse(value: str) -> tuple[Any, ...]:
         try:
             items = tuple(kind(v) for v in value.split(",") if v.strip())
@@ -47,6 +47,10 @@ def _list(kind: type, name: str) -> Any:
         return items
 
     return parse
+
+
+def _logprobs(value: str) -> tuple[int | None, ...]:
+    return _list(lambda v: None if v.strip() == "none" else int(v), "--logprobs")(value)
 
 
 def _modes(value: str) -> tuple[str, ...]:
@@ -82,7 +86,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--derender", choices=("chat", "completions"), default="chat",
                    help="tier baseline: which stateless derender endpoint")
     g.add_argument("--derender-url", default=None, help="tier baseline: the derender server (default: the base URL)")
-    g.add_argument("--logprobs", type=int, default=None, help="sampling logprobs per token (generate/completions)")
+    g.add_argument("--logprobs", type=_logprobs, default=None,
+                   help="sampling logprobs per token (generate/completions), comma-separated with 'none' for "
+                   "none: one arm per value when several (e.g. none,20: their cost side by side)")
     g.add_argument("--stream-interval", type=_list(int, "--stream-interval"), default=None,
                    help="the requests' stream_interval (tokens per chunk), comma-separated: one arm per value "
                    "(default: the server's)")
@@ -127,13 +133,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def arms_from_args(args: argparse.Namespace) -> list[Arm]:
-    """One arm per URL, endpoint (generate: output mode) and stream interval."""
+    """One arm per URL, endpoint (generate: output mode), logprobs value (when several) and stream interval."""
     arms = []
-    for interval in args.stream_interval or (None,):
-        sampling: dict[str, Any] = {} if args.logprobs is None else {"logprobs": args.logprobs}
-        if interval is not None:
-            sampling["stream_interval"] = interval
-        arms += _arms(args, sampling, "" if interval is None else f" / interval {interval}")
+    logprob_values = args.logprobs or (None,)
+    for logprobs in logprob_values:
+        for interval in args.stream_interval or (None,):
+            sampling: dict[str, Any] = {} if logprobs is None else {"logprobs": logprobs}
+            suffix = "" if len(logprob_values) == 1 else f" + logprobs={logprobs}" if logprobs is not None else ""
+            if interval is not None:
+                sampling["stream_interval"] = interval
+                suffix += f" / interval {interval}"
+            arms += _arms(args, sampling, suffix)
     return arms
 
 

@@ -73,6 +73,8 @@ def test_arms_are_urls_times_modes_and_labels_name_the_url_when_several() -> Non
         ("text / interval 1", {"logprobs": 2, "stream_interval": 1}),
         ("tokens / interval 8", {"logprobs": 2, "stream_interval": 8}),
         ("text / interval 8", {"logprobs": 2, "stream_interval": 8})]
+    widths = arms_from_args(parse("--base-url", "http://a:1", "--output-mode", "text", "--logprobs", "none,20"))
+    assert [(a.label, a.sampling) for a in widths] == [("text", {}), ("text + logprobs=20", {"logprobs": 20})]
     proxy = Arm("p", "http://proxy:1", endpoint="chat", backends=("http://render:2", "http://proxy:1"))
     assert proxy.urls == ("http://proxy:1", "http://render:2")  # its members' CPU is charged to it too
 
