@@ -5,25 +5,22 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pdserve.output.policy import assistant_delta, delta_json, usage_of
+import msgspec
+
+from pdserve.output.policy import assistant_delta, decoded_logprobs_json, delta_json, usage_of
 from pdserve.output.request_state import ChoiceState, ChoiceUpdate, RequestState
 from pdserve.protocol.generate import (
     GenerateDerenderChoice,
     GenerateDerenderResponse,
-    GenerateDerenderStreamChoice,
-    GenerateDerenderStreamResponse,
     GenerateLogProbs,
     GenerateResponseBase,
     GenerateTextChoice,
     GenerateTextResponse,
-    GenerateTextStreamChoice,
-    GenerateTextStreamResponse,
     GenerateTokensChoice,
     GenerateTokensResponse,
-    GenerateTokensStreamChoice,
-    GenerateTokensStreamResponse,
 )
-from pdserve.protocol.openai import ChatCompletionLogProbs, DeltaMessage, UsageInfo
+from pdserve.protocol.openai import ChatCompletionLogProbs, UsageInfo
+from pdserve.text.logprob_json import generate_content_json
 from pdserve.text.logprobs import to_generate_logprobs
 
 
@@ -86,24 +83,22 @@ def stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageInfo | N
                  metrics: dict[str, Any] | None = None) -> dict:
     """One SSE event (one choice) as a JSON-ready dict; ``metrics`` rides on the request's last chunk.
 
-    A stream's hot path (no logprobs) builds the dict directly, key for key what :func:`model_stream_chunk`
-    dumps (property-tested), without a pydantic model built, validated and dumped per token."""
+    Built directly, key for key what :func:`model_stream_chunk` dumps (property-tested), without a pydantic
+    model built, validated and dumped per token; logprob content comes as JSON already written
+    (:mod:`pdserve.text.logprob_json`) or as the decoder's structs, which msgspec encodes as they are."""
     cfg = state.config
     if cfg.mode == "tokens":
-        if not cfg.want_logprobs or update.logprobs is None:
-            return _plain_stream_chunk(state, update, usage, metrics, {})
-    elif cfg.mode == "text":
-        # Decoded logprobs are plain structs (text.logprobs.TokenLogprobs): msgspec encodes them as they are.
         logprobs = None
-        if cfg.want_logprobs and update.decoded_logprobs is not None:
-            logprobs = {"content": update.decoded_logprobs}
-        return _plain_stream_chunk(state, update, usage, metrics, {"text": update.text}, logprobs=logprobs)
-    else:
-        hide = state.choices[update.index].hides_metadata
-        if not cfg.want_logprobs or update.decoded_logprobs is None or hide:
-            delta = delta_json(assistant_delta(update.delta) if first_for_choice else update.delta)
-            return _plain_stream_chunk(state, update, usage, metrics, {"delta": delta}, hide_ids=hide)
-    return model_stream_chunk(state, update, usage, first_for_choice, metrics)
+        if cfg.want_logprobs and update.logprobs is not None:
+            logprobs = {"content": msgspec.Raw(generate_content_json(update.logprobs, update.token_ids))}
+        return _plain_stream_chunk(state, update, usage, metrics, {}, logprobs=logprobs)
+    if cfg.mode == "text":
+        return _plain_stream_chunk(state, update, usage, metrics, {"text": update.text},
+                                   logprobs=decoded_logprobs_json(update) if cfg.want_logprobs else None)
+    hide = state.choices[update.index].hides_metadata
+    delta = delta_json(assistant_delta(update.delta) if first_for_choice else update.delta)
+    logprobs = decoded_logprobs_json(update) if cfg.want_logprobs and not hide else None
+    return _plain_stream_chunk(state, update, usage, metrics, {"delta": delta}, hide_ids=hide, logprobs=logprobs)
 
 
 def _plain_stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageInfo | None,
@@ -122,50 +117,3 @@ def _plain_stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageI
     chunk["output_mode"] = state.config.mode
     chunk["choices"] = [choice]
     return chunk
-
-
-def model_stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageInfo | None, first_for_choice: bool,
-                       metrics: dict[str, Any] | None = None) -> dict:
-    """:func:`stream_chunk` through the wire models: every mode and option (logprobs, derender deltas)."""
-    cfg = state.config
-    fields: dict[str, Any] = dict(
-        index=update.index,
-        finish_reason=update.finish_reason,
-        stop_reason=update.stop_reason,
-        token_ids=update.token_ids,
-    )
-    if cfg.mode == "tokens":
-        logprobs = None
-        if cfg.want_logprobs and update.logprobs is not None:
-            logprobs = GenerateLogProbs(content=to_generate_logprobs(update.logprobs, update.token_ids))
-        chunk: Any = GenerateTokensStreamResponse(
-            request_id=state.request_id, usage=usage, metrics=metrics,
-            choices=[GenerateTokensStreamChoice(logprobs=logprobs, **fields)],
-        )
-    elif cfg.mode == "text":
-        logprobs_text = None
-        if cfg.want_logprobs and update.decoded_logprobs is not None:
-            logprobs_text = ChatCompletionLogProbs(content=update.decoded_logprobs)
-        chunk = GenerateTextStreamResponse(
-            request_id=state.request_id,
-            usage=usage,
-            metrics=metrics,
-            choices=[GenerateTextStreamChoice(text=update.text, logprobs=logprobs_text, **fields)],
-        )
-    else:
-        hide = state.choices[update.index].hides_metadata
-        delta = assistant_delta(update.delta) if first_for_choice else update.delta or DeltaMessage()
-        logprobs_chat = None
-        if cfg.want_logprobs and update.decoded_logprobs is not None and not hide:
-            logprobs_chat = ChatCompletionLogProbs(content=update.decoded_logprobs)
-        if hide:
-            fields["token_ids"] = None
-        chunk = GenerateDerenderStreamResponse(
-            request_id=state.request_id,
-            usage=usage,
-            metrics=metrics,
-            choices=[GenerateDerenderStreamChoice(delta=delta, logprobs=logprobs_chat, **fields)],
-        )
-    # vLLM omits these optional keys when null.
-    omitted = {name for name in ("prompt_token_ids", "metrics") if getattr(chunk, name) is None}
-    return chunk.model_dump(mode="json", exclude=omitted)

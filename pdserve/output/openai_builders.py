@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve.output.policy import assistant_delta, delta_json
+from pdserve.output.policy import assistant_delta, decoded_logprobs_json, delta_json
 from pdserve.output.request_state import ChoiceState, ChoiceUpdate
 from pdserve.protocol.openai import (
     ChatCompletionLogProbs,
@@ -76,15 +76,16 @@ def chat_chunk(
     """One chat chunk. ``logprobs``: entries the caller decoded itself (stateless derender decodes
     a chunk's own ids); by default the update's, when the request asked for logprobs.
 
-    Without logprobs to send (a stream's usual chunk) it is built as a plain dict, key for key what
-    :func:`model_chat_chunk` dumps (property-tested), without two models built, validated and dumped."""
+    Built as a plain dict, key for key what ``ChatCompletionStreamResponse`` dumps (property-tested),
+    without two models built, validated and dumped per token."""
     hide = choice_state.hides_metadata
-    if logprobs is None and choice_state.config.want_logprobs:
-        logprobs = update.decoded_logprobs
+    content = None
     if logprobs is not None and not hide:
-        return model_chat_chunk(choice_state, update, response_id, model, return_token_ids, usage, logprobs, metrics)
+        content = {"content": logprobs}
+    elif choice_state.config.want_logprobs and not hide:
+        content = decoded_logprobs_json(update)
     choice = {
-        "index": update.index, "delta": delta_json(update.delta), "logprobs": None,
+        "index": update.index, "delta": delta_json(update.delta), "logprobs": content,
         "finish_reason": update.finish_reason, "stop_reason": update.stop_reason,
         "token_ids": update.token_ids if return_token_ids and not hide else None,
     }
@@ -93,28 +94,6 @@ def chat_chunk(
         "usage": None if usage is None else usage.model_dump(mode="json"), "prompt_token_ids": None,
         "metrics": metrics,
     }
-
-
-def model_chat_chunk(
-    choice_state: ChoiceState, update: ChoiceUpdate, response_id: str, model: str, return_token_ids: bool,
-    usage: UsageInfo | None, logprobs: list[TokenLogprobs] | None = None,
-    metrics: dict[str, Any] | None = None,
-) -> dict:
-    """:func:`chat_chunk` through the wire models: any chunk, logprobs included."""
-    hide = choice_state.hides_metadata
-    if logprobs is None and choice_state.config.want_logprobs:
-        logprobs = update.decoded_logprobs
-    choice = ChatCompletionResponseStreamChoice(
-        index=update.index,
-        delta=update.delta or DeltaMessage(),
-        logprobs=ChatCompletionLogProbs(content=logprobs) if logprobs is not None and not hide else None,
-        finish_reason=update.finish_reason,
-        stop_reason=update.stop_reason,
-        token_ids=update.token_ids if return_token_ids and not hide else None,
-    )
-    return ChatCompletionStreamResponse(
-        id=response_id, model=model, choices=[choice], usage=usage, metrics=metrics
-    ).model_dump(mode="json")
 
 
 def completion_response(

@@ -8,9 +8,14 @@ candidate cuts are :func:`~pdserve.text.logprobs.chat_top_limit` and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from pdserve.protocol.openai import DeltaMessage, UsageInfo
+
+if TYPE_CHECKING:
+    from pdserve.output.request_state import ChoiceUpdate
 
 
 def usage_of(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
@@ -39,6 +44,16 @@ def delta_json(delta: DeltaMessage | None) -> dict[str, Any]:
     if delta.tool_calls:
         return delta.model_dump(mode="json")
     return {"role": delta.role, "content": delta.content, "reasoning": delta.reasoning}
+
+
+def decoded_logprobs_json(update: ChoiceUpdate) -> dict[str, Any] | None:
+    """A chunk's chat-shape ``logprobs`` object (generate text/derender, chat): the update's entries,
+    as JSON already written (``msgspec.Raw``) or as structs msgspec encodes; None when it has none."""
+    if update.logprobs_json is not None:
+        return {"content": msgspec.Raw(update.logprobs_json)}
+    if update.decoded_logprobs is not None:
+        return {"content": update.decoded_logprobs}
+    return None
 
 
 def assistant_delta(delta: DeltaMessage | None) -> DeltaMessage:

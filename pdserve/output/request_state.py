@@ -20,6 +20,7 @@ from pdserve.protocol.engine import EngineOutput, PositionLogprobs
 from pdserve.protocol.generate import OutputMode
 from pdserve.protocol.openai import ChatMessage, DeltaMessage
 from pdserve.text.detokenizer import IncrementalDetokenizer, StopConfig
+from pdserve.text.logprob_json import ChatLogprobJson
 from pdserve.text.logprobs import LogprobDecoder, TokenLogprobs
 from pdserve.text.tokenizer import Tokenizer
 
@@ -52,6 +53,10 @@ class OutputConfig:
     # Builds the per-choice parser at the derender level; None = plain text into content.
     parser_factory: Callable[[], ChoiceParser] | None = None
     streaming: bool = False
+    # Decoded logprobs come as chat-shape JSON (ChoiceUpdate.logprobs_json) rather than structs: what a
+    # stream chunk embeds as it is. Streamed generate (text, derender) and chat ask for it; completions
+    # (another shape) and batch answers (which keep every entry) take the structs.
+    encoded_logprobs: bool = False
 
 
 @dataclass
@@ -64,12 +69,19 @@ class ChoiceUpdate:
     text: str = ""
     delta: DeltaMessage | None = None
     decoded_logprobs: list[TokenLogprobs] | None = None
+    # The same entries as a JSON array, when the config asks for them encoded (OutputConfig.encoded_logprobs).
+    logprobs_json: bytes | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def has_logprob_entries(self) -> bool:
+        """Decoded logprob entries to send (structs or JSON)."""
+        return bool(self.decoded_logprobs) or self.logprobs_json not in (None, b"[]")
 
     def is_empty(self) -> bool:
         delta_empty = self.delta is None or self.delta.is_empty()
@@ -91,6 +103,7 @@ class ChoiceState:
     parser: ChoiceParser | None = None
     _released: int = 0
     _logprob_decoder: LogprobDecoder | None = None
+    _logprob_json: ChatLogprobJson | None = None
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -101,6 +114,8 @@ class ChoiceState:
             )
         if cfg.mode != "tokens" and cfg.want_logprobs and cfg.tokenizer is not None:
             self._logprob_decoder = LogprobDecoder(cfg.tokenizer)
+            if cfg.encoded_logprobs:
+                self._logprob_json = ChatLogprobJson(self._logprob_decoder)
         if cfg.mode == "derender" and cfg.parser_factory is not None and cfg.streaming:
             self.parser = cfg.parser_factory()
 
@@ -157,7 +172,10 @@ class ChoiceState:
         start, self._released = self._released, self._released + released.num_ids
         ids = self.token_ids[start : self._released]
         update = ChoiceUpdate(self.index, ids, None, text=released.text, finish_reason=finish, stop_reason=stop_reason)
-        if self._logprob_decoder is not None:
+        if self._logprob_json is not None:
+            update.logprobs = self.logprobs[start : self._released]
+            update.logprobs_json = self._logprob_json.content(update.logprobs, ids, self.config.top_logprobs_limit)
+        elif self._logprob_decoder is not None:
             update.logprobs = self.logprobs[start : self._released]
             update.decoded_logprobs = self._logprob_decoder.chat_content(
                 update.logprobs, ids, self.config.top_logprobs_limit
@@ -166,7 +184,7 @@ class ChoiceState:
         if self.parser is not None:
             update.delta, update.finish_reason = self.parser.step(released.text, ids, finish)
             if self.hides_metadata:
-                update.decoded_logprobs = None
+                update.decoded_logprobs = update.logprobs_json = None
         elif self.config.mode == "derender" and self.config.streaming:
             update.delta = DeltaMessage(content=released.text or None)
         return update

@@ -117,6 +117,8 @@ def output_config(state: AppState, req: GenerateRequest, completions_cut: bool =
         top_logprobs_limit=top_limit,
         parser_factory=parser_factory,
         streaming=bool(req.stream),
+        # Stream chunks embed logprob content as JSON written ahead; completions chunks have their own shape.
+        encoded_logprobs=bool(req.stream) and not completions_cut,
     )
 
 

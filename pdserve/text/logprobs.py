@@ -44,7 +44,7 @@ def clamp_logprob(value: float) -> float:
     return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
-def _candidates(position: PositionLogprobs) -> list[tuple[int, float, int]]:
+def distinct_candidates(position: PositionLogprobs) -> list[tuple[int, float, int]]:
     """(id, logprob, rank) in engine order, sampled first, each id once."""
     seen: set[int] = set()
     out = []
@@ -64,10 +64,10 @@ def to_generate_logprobs(
     """
     content = []
     for position, sampled_id in zip(positions, sampled_ids):
-        if position is None:
+        if position is None or not position.token_ids:
             content.append(GenerateLogProbsContent(token_id=sampled_id, logprob=LOGPROB_FLOOR))
             continue
-        cands = _candidates(position)
+        cands = distinct_candidates(position)
         tops = [GenerateLogProb(token_id=t, logprob=clamp_logprob(lp), rank=r or None) for t, lp, r in cands]
         sampled = tops[0]
         content.append(
@@ -85,10 +85,18 @@ class LogprobDecoder:
         self._tok = tokenizer
         self.context: list[int] = list(context)[-REPAIR_CONTEXT:]
 
-    def token_string(self, token_id: int) -> str:
-        return self._piece(token_id)[0]
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tok
 
-    def _piece(self, token_id: int) -> tuple[str, list[int]]:
+    def remember(self, sampled_id: int) -> None:
+        """A sampled id joins the repair context (the last few, for a split character that follows)."""
+        self.context = (self.context + [sampled_id])[-REPAIR_CONTEXT:]
+
+    def token_string(self, token_id: int) -> str:
+        return self.piece(token_id)[0]
+
+    def piece(self, token_id: int) -> tuple[str, list[int]]:
         """The id's string and its UTF-8 bytes: from the tables, re-decoded only for a split character."""
         if not self._tok.in_vocab(token_id):
             return "", []
@@ -98,6 +106,11 @@ class LogprobDecoder:
             return repaired, list(repaired.encode("utf-8"))
         return piece, self._tok.token_bytes[token_id]
 
+    def _piece_is_split(self, token_id: int) -> bool:
+        """The id's piece is part of a character split across ids (an id outside the vocabulary, which
+        a model with a padded vocabulary can sample, has no piece: it decodes to nothing)."""
+        return self._tok.in_vocab(token_id) and self._tok.token_strings[token_id].endswith(REPLACEMENT_CHAR)
+
     def _repair(self, token_id: int) -> str:
         """Decode a byte-fallback piece with up to 4 preceding sampled ids, keep only its own text."""
         for k in range(1, min(REPAIR_CONTEXT, len(self.context)) + 1):
@@ -106,7 +119,7 @@ class LogprobDecoder:
             if full.endswith(REPLACEMENT_CHAR):
                 continue
             clean = list(ctx)
-            while clean and self._tok.token_strings[clean[-1]].endswith(REPLACEMENT_CHAR):
+            while clean and self._piece_is_split(clean[-1]):
                 clean.pop()
             prefix = self._tok.decode(clean)
             if full.startswith(prefix):
@@ -118,7 +131,7 @@ class LogprobDecoder:
         return ""
 
     def _entry(self, token_id: int, logprob: float) -> TokenLogprob:
-        token, token_bytes = self._piece(token_id)
+        token, token_bytes = self.piece(token_id)
         return TokenLogprob(token, clamp_logprob(logprob), token_bytes)
 
     def chat_content(
@@ -127,7 +140,7 @@ class LogprobDecoder:
         """OpenAI chat shape; ``top_limit`` cuts the candidate list (sampled counted first)."""
         out = []
         for position, sampled_id in zip(positions, sampled_ids):
-            cands = _candidates(position) if position is not None else []
+            cands = distinct_candidates(position) if position is not None else []
             if not cands or cands[0][0] != sampled_id:
                 out.append(TokenLogprobs(self.token_string(sampled_id)))
             else:
@@ -135,7 +148,7 @@ class LogprobDecoder:
                 tops = [self._entry(t, lp) for t, lp, _ in kept]
                 head = self._entry(sampled_id, cands[0][1])
                 out.append(TokenLogprobs(head.token, head.logprob, head.bytes, tops))
-            self.context = (self.context + [sampled_id])[-REPAIR_CONTEXT:]
+            self.remember(sampled_id)
         return out
 
 
@@ -181,7 +194,7 @@ def prompt_logprob_dicts(
                     rank=r or None,
                     decoded_token=tokenizer.token_strings[t] if tokenizer and tokenizer.in_vocab(t) else None,
                 )
-                for t, lp, r in _candidates(position)
+                for t, lp, r in distinct_candidates(position)
             }
         )
     return out

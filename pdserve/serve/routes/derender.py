@@ -8,10 +8,10 @@ stream continues the state cached by that chunk (``--derender-cache-entries``) w
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -123,12 +123,12 @@ def _stream_choice(
 
 
 def _stream_response(chunk: dict[str, Any], stream_state: DerenderStreamState) -> Response:
-    """``{chunk, stream_state}`` as JSONResponse would encode it, with the state (mostly output ids, which
-    grow with the stream) encoded by pydantic's serializer: json.dumps of a long id list would cost more
-    than the rest of a chunk that continues a cached state."""
-    head = json.dumps(chunk, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    body = f'{{"chunk":{head},"stream_state":{stream_state.model_dump_json()}}}'
-    return Response(body.encode(), media_type="application/json")
+    """``{chunk, stream_state}``: the chunk encoded by msgspec as the streams' events are (it may hold
+    decoded logprob structs), the state (mostly output ids, which grow with the stream) by pydantic's
+    serializer: json.dumps of a long id list would cost more than the rest of a chunk that continues a
+    cached state."""
+    body = b'{"chunk":' + msgspec.json.encode(chunk) + b',"stream_state":' + stream_state.model_dump_json().encode() + b"}"
+    return Response(body, media_type="application/json")
 
 
 def _resume(

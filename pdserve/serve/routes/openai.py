@@ -87,7 +87,7 @@ async def chat_completions(request: Request) -> Response:
         state.metrics.tokens_out.inc(len(update.token_ids))
         no_delta = update.delta is None or update.delta.is_empty()
         # A step whose text the parser holds back still carries its logprobs/ids: send it.
-        if no_delta and not update.finished and not update.decoded_logprobs and not (return_ids and update.token_ids):
+        if no_delta and not update.finished and not update.has_logprob_entries and not (return_ids and update.token_ids):
             return None
         usage = usage_of(prompt_len, len(rstate.choices[update.index].token_ids)) if continuous else None
         choice = rstate.choices[update.index]

@@ -76,3 +76,15 @@ def test_prompt_logprobs_first_is_none() -> None:
 def test_missing_position_gets_floor() -> None:
     [entry] = to_generate_logprobs([None], [42])
     assert entry.token_id == 42 and entry.logprob == -9999.0 and entry.top_logprobs == []
+
+
+def test_an_id_outside_the_vocabulary_in_the_repair_context_decodes_to_nothing() -> None:
+    """A model with a padded vocabulary can sample an id the tokenizer lacks; a split character after
+    it is still repaired from the ids before (it used to raise IndexError: a 500)."""
+    ids = TOK.encode("🦩")
+    assert len(ids) == 2
+    padded = TOK.vocab_size + 5
+    dec = LogprobDecoder(TOK, [ids[0], padded])
+    [entry] = dec.chat_content([pos([ids[1]], [-0.1])], [ids[1]], None)
+    assert entry.token and "\ufffd" not in entry.token
+    assert LogprobDecoder(TOK, [padded]).token_string(padded) == ""
