@@ -180,7 +180,8 @@ class ChoiceState:
             update.decoded_logprobs = self._logprob_decoder.chat_content(
                 update.logprobs, ids, self.config.top_logprobs_limit
             )
-            self.decoded_logprobs.extend(update.decoded_logprobs)
+            if not self.config.streaming:  # a batch answer sends them all at the end; a stream, chunk by chunk
+                self.decoded_logprobs.extend(update.decoded_logprobs)
         if self.parser is not None:
             update.delta, update.finish_reason = self.parser.step(released.text, ids, finish)
             if self.hides_metadata:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.output.request_state import ChoiceState, OutputConfig
-from pdserve.protocol.engine import EngineOutput
+from pdserve.protocol.engine import EngineOutput, PositionLogprobs
 from pdserve.text.detokenizer import StopConfig
 from pdserve.text.tokenizer import Tokenizer
 
@@ -78,3 +78,20 @@ def test_eos_ids_are_left_out() -> None:
 def test_token_ids_are_never_trimmed() -> None:
     assert final(WORDS + [IM_END], "stop")[2] == WORDS + [IM_END]
     assert final(WORDS, "stop", stop_token_ids=frozenset({THREE}))[2] == WORDS
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_decoded_logprobs_are_kept_for_a_batch_answer_only(streaming: bool) -> None:
+    """A batch answer sends every decoded entry at the end; a stream sends them chunk by chunk and keeps none
+    (a long stream with logprobs=20 would otherwise hold 21 structs per token until it ends)."""
+    config = OutputConfig(mode="text", prompt_token_ids=TOK.encode("Count:"), tokenizer=TOK, want_logprobs=True,
+                          streaming=streaming)
+    state = ChoiceState(0, config)
+    sent = []
+    for token in WORDS:
+        update = state.add(EngineOutput(request_id="r", index=0, new_token_ids=[token],
+                                        new_logprobs=[PositionLogprobs([token, 13], [-0.5, -1.5], [1, 2])]))
+        assert update is not None and update.decoded_logprobs is not None
+        sent += update.decoded_logprobs
+    assert [entry.token for entry in sent] == [TOK.decode([t]) for t in WORDS]
+    assert state.decoded_logprobs == ([] if streaming else sent)
