@@ -139,7 +139,7 @@ def arms_from_args(args: argparse.Namespace) -> list[Arm]:
     for logprobs in logprob_values:
         for interval in args.stream_interval or (None,):
             sampling: dict[str, Any] = {} if logprobs is None else {"logprobs": logprobs}
-            suffix = "" if len(logprob_values) == 1 else f" + logprobs={logprobs}" if logprobs is not None else ""
+            suffix = f" + logprobs={logprobs}" if len(logprob_values) > 1 and logprobs is not None else ""
             if interval is not None:
                 sampling["stream_interval"] = interval
                 suffix += f" / interval {interval}"

@@ -83,8 +83,8 @@ def stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageInfo | N
                  metrics: dict[str, Any] | None = None) -> dict:
     """One SSE event (one choice) as a JSON-ready dict; ``metrics`` rides on the request's last chunk.
 
-    Built directly, key for key what :func:`model_stream_chunk` dumps (property-tested), without a pydantic
-    model built, validated and dumped per token; logprob content comes as JSON already written
+    Built directly, key for key what the wire models (``Generate*StreamResponse``) dump (property-tested
+    against them in tests/unit/output/test_stream_chunk.py), without a model built, validated and dumped per token; logprob content comes as JSON already written
     (:mod:`pdserve.text.logprob_json`) or as the decoder's structs, which msgspec encodes as they are."""
     cfg = state.config
     if cfg.mode == "tokens":

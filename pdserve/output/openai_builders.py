@@ -80,10 +80,11 @@ def chat_chunk(
     without two models built, validated and dumped per token."""
     hide = choice_state.hides_metadata
     content = None
-    if logprobs is not None and not hide:
-        content = {"content": logprobs}
-    elif choice_state.config.want_logprobs and not hide:
-        content = decoded_logprobs_json(update)
+    if not hide:
+        if logprobs is not None:
+            content = {"content": logprobs}
+        elif choice_state.config.want_logprobs:
+            content = decoded_logprobs_json(update)
     choice = {
         "index": update.index, "delta": delta_json(update.delta), "logprobs": content,
         "finish_reason": update.finish_reason, "stop_reason": update.stop_reason,

@@ -172,16 +172,15 @@ class ChoiceState:
         start, self._released = self._released, self._released + released.num_ids
         ids = self.token_ids[start : self._released]
         update = ChoiceUpdate(self.index, ids, None, text=released.text, finish_reason=finish, stop_reason=stop_reason)
-        if self._logprob_json is not None:
+        if self._logprob_decoder is not None:
             update.logprobs = self.logprobs[start : self._released]
-            update.logprobs_json = self._logprob_json.content(update.logprobs, ids, self.config.top_logprobs_limit)
-        elif self._logprob_decoder is not None:
-            update.logprobs = self.logprobs[start : self._released]
-            update.decoded_logprobs = self._logprob_decoder.chat_content(
-                update.logprobs, ids, self.config.top_logprobs_limit
-            )
-            if not self.config.streaming:  # a batch answer sends them all at the end; a stream, chunk by chunk
-                self.decoded_logprobs.extend(update.decoded_logprobs)
+            top_limit = self.config.top_logprobs_limit
+            if self._logprob_json is not None:
+                update.logprobs_json = self._logprob_json.content(update.logprobs, ids, top_limit)
+            else:
+                update.decoded_logprobs = self._logprob_decoder.chat_content(update.logprobs, ids, top_limit)
+                if not self.config.streaming:  # a batch answer sends them all at the end; a stream, chunk by chunk
+                    self.decoded_logprobs.extend(update.decoded_logprobs)
         if self.parser is not None:
             update.delta, update.finish_reason = self.parser.step(released.text, ids, finish)
             if self.hides_metadata:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import msgspec
 
 from pdserve.protocol.engine import PositionLogprobs
-from pdserve.text.logprobs import LOGPROB_FLOOR, LogprobDecoder, TokenLogprobs, distinct_candidates
+from pdserve.text.logprobs import LOGPROB_FLOOR, LogprobDecoder, TokenLogprobs, clamp_logprob, distinct_candidates
 from pdserve.text.tokenizer import REPLACEMENT_CHAR, Tokenizer
 
 _encode = msgspec.json.Encoder().encode
@@ -123,7 +123,7 @@ class ChatLogprobJson:
         if j is None:
             return None
         ids, logprobs = _without(position.token_ids, j), _without(position.logprobs, j)
-        head_logprob = logprobs[0] if logprobs[0] >= LOGPROB_FLOOR else LOGPROB_FLOOR
+        head_logprob = clamp_logprob(logprobs[0])
         if top_limit is not None:
             ids = ids[:top_limit]
         pieces = self._pieces
@@ -133,6 +133,7 @@ class ChatLogprobJson:
         else:
             looked_up = [self._piece(t) for t in ids]
             token, raw = self._piece(sampled_id)
+        # clamp_logprob inlined: a call per candidate is a measurable share of this loop.
         tops = [
             _Candidate(s, v if v >= LOGPROB_FLOOR else LOGPROB_FLOOR, r) for (s, r), v in zip(looked_up, logprobs)
         ]

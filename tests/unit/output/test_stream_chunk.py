@@ -6,6 +6,7 @@ any output of any mode (derender with the qwen3 + hermes parsers), finish, usage
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -122,6 +123,28 @@ def candidates(token: int, top: int | None) -> list[PositionLogprobs] | None:
                              [2, 2, 1, 3, 4, 5])]
 
 
+def twin_updates(state: RequestState, reference_state: RequestState, ids: list[int], top: int | None, finish: str,
+                 stop_reason: int | None) -> Iterator[tuple[ChoiceUpdate, ChoiceUpdate]]:
+    """Feed ``ids`` one per output (the finish on the last) to both states; yield their updates where
+    there are any (the two states always agree on that)."""
+    for k, token in enumerate(ids):
+        last = k == len(ids) - 1
+        out = EngineOutput(request_id=state.request_id, new_token_ids=[token], new_logprobs=candidates(token, top),
+                           finish_reason=finish if last else None, stop_reason=stop_reason if last else None)
+        update, reference_update = state.add(out), reference_state.add(out)
+        if update is None:
+            assert reference_update is None
+            continue
+        assert reference_update is not None
+        yield update, reference_update
+
+
+def usage_and_metrics(ids: list[int], with_usage: bool,
+                      with_metrics: bool) -> tuple[UsageInfo | None, dict[str, Any] | None]:
+    usage = UsageInfo(prompt_tokens=3, completion_tokens=len(ids), total_tokens=3 + len(ids)) if with_usage else None
+    return usage, {"time_to_first_token_ms": 1.5, "mean_itl_ms": None} if with_metrics else None
+
+
 def twin_states(request_id: str, encoded: bool = True, **config: Any) -> tuple[RequestState, RequestState]:
     """The state under test (logprobs as JSON where asked) and the reference's (logprobs as structs)."""
     return (RequestState(request_id, 1, OutputConfig(encoded_logprobs=encoded, **config)),
@@ -148,17 +171,9 @@ def test_plain_chunks_equal_the_models_dump(mode: str, pieces: list[str], finish
         stop=StopConfig(eos_token_ids=tuple(TOK.eos_token_ids)), parser_factory=factory, streaming=True,
         skip_special_tokens=mode != "derender", want_logprobs=top is not None, top_logprobs_limit=top,
     )
-    usage = UsageInfo(prompt_tokens=3, completion_tokens=len(ids), total_tokens=3 + len(ids)) if with_usage else None
-    metrics = {"time_to_first_token_ms": 1.5, "mean_itl_ms": None} if with_metrics else None
+    usage, metrics = usage_and_metrics(ids, with_usage, with_metrics)
     first = True
-    for k, token in enumerate(ids):
-        last = k == len(ids) - 1
-        out = EngineOutput(request_id="generate-tokens-x#1", new_token_ids=[token], new_logprobs=candidates(token, top),
-                           finish_reason=finish if last else None, stop_reason=stop_reason if last else None)
-        update, reference_update = state.add(out), reference_state.add(out)
-        if update is None:
-            assert reference_update is None
-            continue
+    for update, reference_update in twin_updates(state, reference_state, ids, top, finish, stop_reason):
         fast = stream_chunk(state, update, usage, first_for_choice=first, metrics=metrics)
         reference = model_stream_chunk(reference_state, reference_update, usage, first_for_choice=first,
                                        metrics=metrics)
@@ -189,16 +204,8 @@ def test_plain_chat_chunks_equal_the_models_dump(pieces: list[str], finish: str,
         stop=StopConfig(eos_token_ids=tuple(TOK.eos_token_ids)), parser_factory=factory, streaming=True,
         skip_special_tokens=False, want_logprobs=top is not None, top_logprobs_limit=top,
     )
-    usage = UsageInfo(prompt_tokens=3, completion_tokens=len(ids), total_tokens=3 + len(ids)) if with_usage else None
-    metrics = {"time_to_first_token_ms": 1.5, "mean_itl_ms": None} if with_metrics else None
-    for k, token in enumerate(ids):
-        last = k == len(ids) - 1
-        out = EngineOutput(request_id="chatcmpl-x", new_token_ids=[token], new_logprobs=candidates(token, top),
-                           finish_reason=finish if last else None, stop_reason=stop_reason if last else None)
-        update, reference_update = state.add(out), reference_state.add(out)
-        if update is None:
-            assert reference_update is None
-            continue
+    usage, metrics = usage_and_metrics(ids, with_usage, with_metrics)
+    for update, reference_update in twin_updates(state, reference_state, ids, top, finish, stop_reason):
         assert update.has_logprob_entries == reference_update.has_logprob_entries
         fast = chat_chunk(state.choices[0], update, "chatcmpl-x", "m", return_ids, usage, metrics=metrics)
         reference = model_chat_chunk(reference_state.choices[0], reference_update, "chatcmpl-x", "m", return_ids,
