@@ -22,6 +22,7 @@ clients) or when its parent process goes away.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import multiprocessing
@@ -150,6 +151,10 @@ def run_engine_core(spec: EngineSpec, addresses: EngineCoreAddresses, ready: Con
     """Entry point of the core process."""
     try:
         core = build_core(spec)
+        # The model and its tables live as long as the process: out of the collector's reach, so a
+        # full collection between steps walks only what steps made (serve.runner.freeze_startup_heap).
+        gc.collect()
+        gc.freeze()
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops messages at the high-water mark; never drop outputs

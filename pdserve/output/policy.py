@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from pdserve.protocol.openai import DeltaMessage, UsageInfo
+from pdserve.protocol.openai import DeltaMessage, StreamDelta, TextDelta, UsageInfo
 
 if TYPE_CHECKING:
     from pdserve.output.request_state import ChoiceUpdate
@@ -35,7 +35,7 @@ def usage_chunk(head: dict[str, Any], usage: UsageInfo | None, *, drop_nulls: bo
     return {**head, "choices": [], "usage": body}
 
 
-def delta_json(delta: DeltaMessage | None) -> dict[str, Any]:
+def delta_json(delta: StreamDelta | None) -> dict[str, Any]:
     """``delta.model_dump(mode="json")`` (an empty delta's for None), as a plain dict when it has no tool
     calls: derender and chat streams dump one per token, and pydantic's wrap serializer costs more than
     the rest of the chunk (tests/unit/output/test_stream_chunk.py checks they encode alike)."""
@@ -56,9 +56,13 @@ def decoded_logprobs_json(update: ChoiceUpdate) -> dict[str, Any] | None:
     return None
 
 
-def assistant_delta(delta: DeltaMessage | None) -> DeltaMessage:
+def assistant_delta(delta: StreamDelta | None) -> StreamDelta:
     """A choice's opening delta: ``delta`` (or an empty one) with ``role: "assistant"``, which
     OpenAI-shaped streams send once per choice, on its first delta."""
-    opening = delta.model_copy() if delta is not None else DeltaMessage()
-    opening.role = "assistant"
-    return opening
+    if isinstance(delta, DeltaMessage):
+        opening = delta.model_copy()
+        opening.role = "assistant"
+        return opening
+    if delta is None:
+        return TextDelta(role="assistant")
+    return TextDelta(role="assistant", content=delta.content, reasoning=delta.reasoning)

@@ -18,7 +18,7 @@ from pdserve.output import live
 from pdserve.output.timing import RequestTiming
 from pdserve.protocol.engine import EngineOutput, PositionLogprobs
 from pdserve.protocol.generate import OutputMode
-from pdserve.protocol.openai import ChatMessage, DeltaMessage
+from pdserve.protocol.openai import ChatMessage, StreamDelta, TextDelta
 from pdserve.text.detokenizer import IncrementalDetokenizer, StopConfig
 from pdserve.text.logprob_json import ChatLogprobJson
 from pdserve.text.logprobs import LogprobDecoder, TokenLogprobs
@@ -33,7 +33,7 @@ class ChoiceParser(Protocol):
 
     def step(
         self, delta_text: str, delta_ids: Sequence[int], finish_reason: str | None
-    ) -> tuple[DeltaMessage | None, str | None]: ...
+    ) -> tuple[StreamDelta | None, str | None]: ...
 
     def parse(self, text: str, token_ids: Sequence[int], finish_reason: str | None) -> tuple[ChatMessage, str]: ...
 
@@ -67,7 +67,7 @@ class ChoiceUpdate:
     token_ids: list[int]
     logprobs: list[PositionLogprobs | None] | None
     text: str = ""
-    delta: DeltaMessage | None = None
+    delta: StreamDelta | None = None
     decoded_logprobs: list[TokenLogprobs] | None = None
     # The same entries as a JSON array, when the config asks for them encoded (OutputConfig.encoded_logprobs).
     logprobs_json: bytes | None = None
@@ -112,6 +112,7 @@ class ChoiceState:
             self.detok = IncrementalDetokenizer(
                 cfg.tokenizer, cfg.prompt_token_ids, skip_special_tokens=cfg.skip_special_tokens, stop=cfg.stop
             )
+            self.token_ids = self.detok.output_ids  # one list: the detokenizer keeps the ids it accepted
         if cfg.mode != "tokens" and cfg.want_logprobs and cfg.tokenizer is not None:
             self._logprob_decoder = LogprobDecoder(cfg.tokenizer)
             if cfg.encoded_logprobs:
@@ -143,35 +144,41 @@ class ChoiceState:
         """Fold one engine output in; returns what to send for it (None once finished)."""
         if self.finished:
             return None
-        before = len(self.token_ids)
-        finish = out.finish_reason
-        stop_terminated, stop_reason = self.config.stop.stop_token_end(finish, out.stop_reason, out.new_token_ids)
-        if self.detok is not None:
-            self.detok.update(out.new_token_ids, stop_terminated)
-            accepted = self.detok.output_ids[before:]
-            if self.detok.stopped:
-                finish, stop_reason = "stop", self.detok.stop_string
-            if finish is not None:
-                self.detok.finish()
+        detok = self.detok
+        if detok is None:
+            return self._add_ids(out)
+        before = len(self.token_ids)  # the detokenizer's output_ids: it drops the ids after a stop string
+        new_ids = out.new_token_ids
+        start = self._released
+        finish, stop_reason = out.finish_reason, out.stop_reason
+        # The hot path: one running id whose text is its own goes out with it, no decoder step.
+        text = detok.take_standalone(new_ids[0]) if finish is None and len(new_ids) == 1 else None
+        if text is not None:
+            self._released = start + 1
         else:
-            accepted = list(out.new_token_ids)
-        self.token_ids.extend(accepted)
-        if self.config.want_logprobs:
-            # Keep positions aligned with token_ids; an output without logprobs (a replayed
-            # chunk, an abort) leaves empty positions, reported with the floor logprob.
-            given = list(out.new_logprobs or [])[: len(accepted)]
-            self.logprobs.extend(given + [None] * (len(accepted) - len(given)))
+            stop_terminated, stop_reason = self.config.stop.stop_token_end(finish, stop_reason, new_ids)
+            detok.update(new_ids, stop_terminated)
+            if detok.stopped:
+                finish, stop_reason = "stop", detok.stop_string
+            if finish is not None:
+                detok.finish()
+            if self.config.mode == "tokens":  # stop strings only: ids go out as they come
+                released_ids = len(self.token_ids)
+                text = ""
+            else:
+                released = detok.release(finish is not None)
+                released_ids, text = start + released.num_ids, released.text
+            self._released = released_ids
         self.finish_reason, self.stop_reason = finish, stop_reason
-
-        if self.config.mode == "tokens" or self.detok is None:
-            self._released = len(self.token_ids)
+        if self.config.want_logprobs:
+            self._extend_logprobs(out, len(self.token_ids) - before)
+        if self.config.mode == "tokens":
             new_logprobs = self.logprobs[before:] if self.config.want_logprobs else None
-            return ChoiceUpdate(self.index, accepted, new_logprobs, finish_reason=finish, stop_reason=stop_reason)
+            return ChoiceUpdate(self.index, self.token_ids[before:], new_logprobs, finish_reason=finish,
+                                stop_reason=stop_reason)
 
-        released = self.detok.release(self.finished)
-        start, self._released = self._released, self._released + released.num_ids
         ids = self.token_ids[start : self._released]
-        update = ChoiceUpdate(self.index, ids, None, text=released.text, finish_reason=finish, stop_reason=stop_reason)
+        update = ChoiceUpdate(self.index, ids, None, text=text, finish_reason=finish, stop_reason=stop_reason)
         if self._logprob_decoder is not None:
             update.logprobs = self.logprobs[start : self._released]
             top_limit = self.config.top_logprobs_limit
@@ -182,12 +189,35 @@ class ChoiceState:
                 if not self.config.streaming:  # a batch answer sends them all at the end; a stream, chunk by chunk
                     self.decoded_logprobs.extend(update.decoded_logprobs)
         if self.parser is not None:
-            update.delta, update.finish_reason = self.parser.step(released.text, ids, finish)
+            update.delta, update.finish_reason = self.parser.step(text, ids, finish)
             if self.hides_metadata:
                 update.decoded_logprobs = update.logprobs_json = None
         elif self.config.mode == "derender" and self.config.streaming:
-            update.delta = DeltaMessage(content=released.text or None)
+            update.delta = TextDelta(content=text or None)
         return update
+
+    def _add_ids(self, out: EngineOutput) -> ChoiceUpdate:
+        """Tokens mode without stop strings: the ids go out as they come, with no text made."""
+        finish = out.finish_reason
+        stop_reason = out.stop_reason
+        if finish is not None:
+            stop_reason = self.config.stop.stop_token_end(finish, stop_reason, out.new_token_ids)[1]
+        accepted = list(out.new_token_ids)
+        self.token_ids.extend(accepted)
+        self.finish_reason, self.stop_reason = finish, stop_reason
+        new_logprobs = None
+        if self.config.want_logprobs:
+            new_logprobs = self._extend_logprobs(out, len(accepted))
+        self._released = len(self.token_ids)
+        return ChoiceUpdate(self.index, accepted, new_logprobs, finish_reason=finish, stop_reason=stop_reason)
+
+    def _extend_logprobs(self, out: EngineOutput, accepted: int) -> list[PositionLogprobs | None]:
+        """Keep logprob positions aligned with token_ids; an output without logprobs (a replayed chunk,
+        an abort) leaves empty positions, reported with the floor logprob. Returns the new positions."""
+        given = list(out.new_logprobs or [])[:accepted]
+        new = given + [None] * (accepted - len(given))
+        self.logprobs.extend(new)
+        return new
 
     def final_message(self) -> tuple[ChatMessage, str]:
         """Batch derender: parse the whole (stop-truncated) text once, with this choice's parser

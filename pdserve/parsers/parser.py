@@ -46,6 +46,8 @@ from pdserve.protocol.openai import (
     ChatMessage,
     DeltaFunctionCall,
     DeltaMessage,
+    StreamDelta,
+    TextDelta,
     DeltaToolCall,
     FunctionCall,
     ToolCall,
@@ -164,15 +166,12 @@ class ChatParser:
             self._keeps_tool_calls = self._forced or auto
             self._parallel = chat_request.parallel_tool_calls is not False
             self._include_reasoning = chat_request.include_reasoning
+        # Parsed with reasoning hidden: callers must also drop logprobs and token ids (read per chunk).
+        self.hide_metadata = self.active and not self._include_reasoning
         self._stream: _Pipeline | None = None
         self._finished = False
         self._tool_call_ids: list[str] = []
         self.tools_streamed = False
-
-    @property
-    def hide_metadata(self) -> bool:
-        """Parsed with reasoning hidden: callers must also drop logprobs and token ids."""
-        return self.active and not self._include_reasoning
 
     @property
     def tool_call_ids(self) -> list[str]:
@@ -214,7 +213,7 @@ class ChatParser:
 
     def step(
         self, delta_text: str, delta_ids: Sequence[int], finish_reason: str | None
-    ) -> tuple[DeltaMessage | None, str | None]:
+    ) -> tuple[StreamDelta | None, str | None]:
         """One engine step: the delta to send (None: nothing to send) and the chat finish reason.
 
         ``delta_text`` is the step's newly detokenized text, ``delta_ids`` its
@@ -229,10 +228,10 @@ class ChatParser:
         finished = finish_reason is not None
         self._finished = finished
         if not self.active:
-            return (DeltaMessage(content=delta_text) if delta_text else None), finish_reason
+            return (TextDelta(content=delta_text) if delta_text else None), finish_reason
         if self._stream is None:
             self._stream = self._pipeline()
-        delta = self._delta(self._visible(self._stream.run(delta_text, finish_reason, finished)))
+        delta = self._delta(self._stream.run(delta_text, finish_reason, finished))
         resolved = self._resolve_finish_reason(finish_reason, self.tools_streamed) if finished else None
         return delta, resolved
 
@@ -268,8 +267,14 @@ class ChatParser:
             else:
                 yield event
 
-    def _delta(self, events: Iterable[Event]) -> DeltaMessage | None:
-        reasoning, content, calls = _fold(events)
+    def _delta(self, events: list[Event]) -> StreamDelta | None:
+        if len(events) == 1:  # most steps: one piece of reasoning or content, no folding needed
+            event = events[0]
+            if type(event) is Reasoning:
+                return TextDelta(reasoning=event.text) if self._include_reasoning and event.text else None
+            if type(event) is Content:
+                return TextDelta(content=event.text) if event.text else None
+        reasoning, content, calls = _fold(self._visible(events))
         if not (reasoning or content or calls):
             return None
         tool_calls = []
@@ -282,7 +287,9 @@ class ChatParser:
             self._tool_call_ids.append(call_id)
             function = DeltaFunctionCall(name=name, arguments=arguments)
             tool_calls.append(DeltaToolCall(index=index, id=call_id, type="function", function=function))
-        self.tools_streamed = self.tools_streamed or bool(tool_calls)
+        if not tool_calls:
+            return TextDelta(reasoning="".join(reasoning) or None, content="".join(content) or None)
+        self.tools_streamed = True
         return DeltaMessage(
             reasoning="".join(reasoning) or None,
             content="".join(content) or None,

@@ -22,6 +22,9 @@ class TagSet:
         self._pattern = re.compile("|".join(re.escape(t) for t in sorted(tags, key=len, reverse=True)))
         self._prefixes = frozenset(t[:k] for t in tags for k in range(1, len(t)))
         self._max_prefix = max(len(t) for t in tags) - 1
+        self._first_chars = tuple(sorted({t[0] for t in tags}))
+        # The one character every tag starts with, where there is one ("<" for every parser here).
+        self.single_first = self._first_chars[0] if len(self._first_chars) == 1 else None
 
     def search(self, text: str, pos: int) -> re.Match[str] | None:
         return self._pattern.search(text, pos)
@@ -29,6 +32,11 @@ class TagSet:
     def partial_suffix_len(self, text: str, pos: int) -> int:
         """Length of the longest suffix of ``text[pos:]`` that is a proper prefix of a tag."""
         end = len(text)
+        low = max(pos, end - self._max_prefix)
+        # A tag's prefix starts with a tag's first character: without one near the end, none can (the
+        # common case, checked in C before any slicing).
+        if not any(text.find(first, low) >= 0 for first in self._first_chars):
+            return 0
         for k in range(min(self._max_prefix, end - pos), 0, -1):
             if text[end - k :] in self._prefixes:
                 return k
@@ -61,16 +69,22 @@ class TagScanner:
         buffered until more text is pushed or ``drain`` is called.
         """
         start = self._pos
-        match = tags.search(self._buf, start)
+        buf = self._buf
+        if tags.single_first is not None and buf.find(tags.single_first, start) < 0:
+            # No tag can start in what is left (most steps): all of it is text, nothing is held.
+            self.scanned += len(buf) - start
+            self._pos = len(buf)
+            return buf[start:], None
+        match = tags.search(buf, start)
         if match is not None:
             self.scanned += match.end() - start
             self._pos = match.end()
-            return self._buf[start : match.start()], match.group()
-        end = len(self._buf)
-        hold = tags.partial_suffix_len(self._buf, start)
+            return buf[start : match.start()], match.group()
+        end = len(buf)
+        hold = tags.partial_suffix_len(buf, start)
         self.scanned += end - start + hold
         self._pos = end - hold
-        return self._buf[start : self._pos], None
+        return buf[start : self._pos], None
 
     def drain(self) -> str:
         """Everything still buffered (at end of output a partial tag is plain text)."""

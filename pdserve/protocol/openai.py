@@ -14,6 +14,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_serializer
 
 from pdserve.protocol.limits import (
@@ -169,6 +170,37 @@ class DeltaMessage(BaseModel):
 
     def is_empty(self) -> bool:
         return self.role is None and self.content is None and self.reasoning is None and not self.tool_calls
+
+
+class TextDelta(msgspec.Struct):
+    """A stream delta without tool calls: what a chat or derender stream sends for almost every token.
+
+    Made per token on the hot path, so a plain struct, a fraction of a validated DeltaMessage's cost; a
+    delta with tool calls is a DeltaMessage. Both read alike (role, content, reasoning, tool_calls,
+    is_empty), and :meth:`message` gives the model where one is needed.
+    """
+
+    role: str | None = None
+    content: str | None = None
+    reasoning: str | None = None
+
+    @property
+    def tool_calls(self) -> list[DeltaToolCall]:
+        return []
+
+    def is_empty(self) -> bool:
+        return self.role is None and self.content is None and self.reasoning is None
+
+    def message(self) -> DeltaMessage:
+        return DeltaMessage(role=self.role, content=self.content, reasoning=self.reasoning)
+
+    def model_dump(self, **kwargs: Any) -> dict[str, Any]:
+        """The DeltaMessage's dump, for code that reads either kind as a model (off the hot path)."""
+        return self.message().model_dump(**kwargs)
+
+
+# What a streaming parser step hands out: text only (the usual case) or a delta with tool calls.
+StreamDelta = TextDelta | DeltaMessage
 
 
 # ---------------------------------------------------------------- logprobs

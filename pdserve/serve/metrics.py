@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -112,6 +113,11 @@ class _LiveObjectsCollector(Collector):
                 "pdserve_detokenized_tokens", "Token ids this process turned into text (decode calls and incremental "
                 "detokenizer steps); tokens-mode generate without stop strings adds none", value=decoded,
             )
+        yield GaugeMetricFamily(
+            "pdserve_frozen_objects", "Objects built at startup that the garbage collector no longer walks "
+            "(serve.runner.freeze_startup_heap: the tokenizer's tables, the app, the engine client)",
+            value=gc.get_freeze_count(),
+        )
         yield GaugeMetricFamily(
             "pdserve_live_request_states", "Request states alive in this process (0 when idle; more: a leak)",
             value=len(live.request_states),

@@ -13,6 +13,7 @@ Layouts:
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import multiprocessing
@@ -152,6 +153,7 @@ class _PdserveServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
+        freeze_startup_heap()
         if self._announce is not None and not self.should_exit:
             print(self._announce(), file=sys.stderr, flush=True)
 
@@ -178,6 +180,18 @@ class _PdserveServer(uvicorn.Server):
             await drain(state.inflight, timeout, abort)
         finally:
             self.should_exit = True
+
+
+def freeze_startup_heap() -> None:
+    """Move everything built at startup (tokenizer tables, the app, the engine client: some 200k
+    objects, all as long-lived as the server) out of the cyclic collector's reach.
+
+    Otherwise every full collection walks them again: 30-70 ms each, at a rate set by what requests
+    allocate, which showed up as a tenth of the API process's CPU under streaming load. Collections
+    then walk only what requests made; the frozen objects stay alive and are freed at exit as usual.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def _serve_app(config: ServerConfig, engine: Engine | None, tokenizer: Tokenizer | None, parsers: ParserConfig | None,

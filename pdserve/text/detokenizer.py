@@ -132,6 +132,8 @@ class IncrementalDetokenizer:
         # Text offset where stop strings may start (set once min_tokens ids were produced).
         self._stop_floor: int | None = 0 if stop.min_tokens == 0 else None
         self.stop_string: str | None = None
+        # Without stop strings every step's text goes out whole, so a standalone id can skip the decoder.
+        self._standalone = None if stop.stop else tokenizer.standalone_pieces
 
     @property
     def stopped(self) -> bool:
@@ -145,6 +147,29 @@ class IncrementalDetokenizer:
     @property
     def _length(self) -> int:
         return self._released_chars + len(self._tail)
+
+    def take_standalone(self, token_id: int) -> str | None:
+        """The hot path for one id: add and release it at once when its text is its own
+        (:attr:`Tokenizer.standalone_pieces`) and nothing is held (no stop strings, no bytes of a
+        character pending, no prompt characters owed). Returns its text, or None having done nothing:
+        then :meth:`update` and :meth:`release` take the id.
+
+        The decode stream is not stepped: a byte-level stream's next text depends only on ids after
+        the last whole character, so skipping ids that end on one leaves its answers unchanged.
+        """
+        table = self._standalone
+        if table is None or self._pending_start != len(self.output_ids) or self._swallow_ids or self._tail:
+            return None
+        piece = table[token_id] if 0 <= token_id < len(table) else None
+        if piece is None:
+            return None
+        self._tok.decoded_ids += 1
+        self.output_ids.append(token_id)
+        self._released_chars += len(piece)
+        self._token_ends.append(self._released_chars)
+        self._released_parts.append(piece)
+        self._pending_start = self._released_ids = len(self.output_ids)
+        return piece
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip_special)

@@ -3,26 +3,25 @@
 With ``logprobs=20`` every streamed token carries 21 candidates. Building a decoded entry per
 candidate (a method call each, the piece looked up and checked) and encoding its UTF-8 bytes as a
 list of ints cost about 70 µs per token in process, more than the rest of the chunk ten times over.
-Here each id's piece and its bytes' JSON are prepared once per tokenizer (:class:`PieceTable`), a
-candidate is a three-field struct built in a comprehension, and a chunk's content is one encode.
-The bytes are exactly what msgspec writes for :meth:`LogprobDecoder.chat_content`'s structs and
-what the ``tokens``-level models dump to (property-tested), so a chunk embeds them as
-``msgspec.Raw``.
+Here each id's piece and its bytes' JSON come from the tokenizer's startup tables
+(``token_strings``, ``token_bytes_json``), a candidate is a three-field struct built in a
+comprehension, and a chunk's content is one encode. The bytes are exactly what msgspec writes for
+:meth:`LogprobDecoder.chat_content`'s structs and what the ``tokens``-level models dump to
+(property-tested), so a chunk embeds them as ``msgspec.Raw``.
 
 A piece that ends in U+FFFD (its text is repaired from the preceding sampled ids) is prepared where
-it occurs, not kept; a candidate list not in the engine's shape goes through the decoder's structs.
+it occurs; so is an id past the tokenizer's vocabulary (a padded model vocabulary samples them); a
+candidate list not in the engine's shape goes through the decoder's structs.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 
 import msgspec
 
 from pdserve.protocol.engine import PositionLogprobs
 from pdserve.text.logprobs import LOGPROB_FLOOR, LogprobDecoder, TokenLogprobs, clamp_logprob, distinct_candidates
-from pdserve.text.tokenizer import REPLACEMENT_CHAR, Tokenizer
 
 _encode = msgspec.json.Encoder().encode
 
@@ -37,41 +36,6 @@ class _Candidate(msgspec.Struct):
 
 class _Entry(_Candidate):
     top_logprobs: list[_Candidate]
-
-
-class PieceTable(dict[int, tuple[str, msgspec.Raw]]):
-    """Per id, its piece and the JSON of the piece's UTF-8 bytes.
-
-    Filled on first use: a stream touches a few thousand of a vocabulary's 150k ids, and a server
-    that touched them all holds about 150 bytes per id. ``repair_ids`` are the ids whose piece ends
-    in U+FFFD: their text depends on the preceding ids, so they are never kept.
-    """
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        super().__init__()
-        self._tokenizer = tokenizer
-        self.repair_ids = frozenset(i for i, s in enumerate(tokenizer.token_strings) if s.endswith(REPLACEMENT_CHAR))
-
-    def __missing__(self, token_id: int) -> tuple[str, msgspec.Raw]:
-        tok = self._tokenizer
-        piece, raw = (tok.token_strings[token_id], tok.token_bytes[token_id]) if tok.in_vocab(token_id) else ("", [])
-        entry = self[token_id] = _encoded(piece, raw)
-        return entry
-
-
-_tables: weakref.WeakKeyDictionary[Tokenizer, PieceTable] = weakref.WeakKeyDictionary()
-
-
-def piece_table(tokenizer: Tokenizer) -> PieceTable:
-    """The tokenizer's table, shared by every stream."""
-    table = _tables.get(tokenizer)
-    if table is None:
-        table = _tables[tokenizer] = PieceTable(tokenizer)
-    return table
-
-
-def _encoded(piece: str, raw: list[int]) -> tuple[str, msgspec.Raw]:
-    return piece, msgspec.Raw(_encode(raw))
 
 
 def _sampled_repeat(ids: list[int]) -> int | None:
@@ -100,7 +64,10 @@ class ChatLogprobJson:
 
     def __init__(self, decoder: LogprobDecoder) -> None:
         self._decoder = decoder
-        self._pieces = piece_table(decoder.tokenizer)
+        tokenizer = decoder.tokenizer
+        self._strings = tokenizer.token_strings
+        self._raws = tokenizer.token_bytes_json
+        self._split_ids = tokenizer.split_piece_ids
 
     def content(
         self, positions: Sequence[PositionLogprobs | None], sampled_ids: Sequence[int], top_limit: int | None
@@ -126,24 +93,29 @@ class ChatLogprobJson:
         head_logprob = clamp_logprob(logprobs[0])
         if top_limit is not None:
             ids = ids[:top_limit]
-        pieces = self._pieces
-        if pieces.repair_ids.isdisjoint(position.token_ids):
-            looked_up = list(map(pieces.__getitem__, ids))
-            token, raw = pieces[sampled_id]
-        else:
-            looked_up = [self._piece(t) for t in ids]
-            token, raw = self._piece(sampled_id)
-        # clamp_logprob inlined: a call per candidate is a measurable share of this loop.
-        tops = [
-            _Candidate(s, v if v >= LOGPROB_FLOOR else LOGPROB_FLOOR, r) for (s, r), v in zip(looked_up, logprobs)
-        ]
+        strings, raws = self._strings, self._raws
+        if self._split_ids.isdisjoint(position.token_ids) and max(position.token_ids) < len(strings):
+            # Every candidate's piece is in the tables (the usual case); clamp_logprob inlined: a call
+            # per candidate is a measurable share of this loop.
+            tops = [
+                _Candidate(strings[t], v if v >= LOGPROB_FLOOR else LOGPROB_FLOOR, raws[t])
+                for t, v in zip(ids, logprobs)
+            ]
+            return _Entry(strings[sampled_id], head_logprob, raws[sampled_id], tops)
+        tops = []
+        for t, v in zip(ids, logprobs):
+            piece, piece_raw = self._piece(t)
+            tops.append(_Candidate(piece, v if v >= LOGPROB_FLOOR else LOGPROB_FLOOR, piece_raw))
+        token, raw = self._piece(sampled_id)
         return _Entry(token, head_logprob, raw, tops)
 
     def _piece(self, token_id: int) -> tuple[str, msgspec.Raw]:
-        """An id's piece and its bytes' JSON; a split character's as repaired here and now."""
-        if token_id not in self._pieces.repair_ids:
-            return self._pieces[token_id]
-        return _encoded(*self._decoder.piece(token_id))
+        """An id's piece and its bytes' JSON: from the tables, or as repaired here and now for a split
+        character (an id outside the vocabulary has none: it decodes to nothing)."""
+        if token_id not in self._split_ids and 0 <= token_id < len(self._strings):
+            return self._strings[token_id], self._raws[token_id]
+        piece, raw = self._decoder.piece(token_id)
+        return piece, msgspec.Raw(_encode(raw))
 
 
 class _IdLogprob(msgspec.Struct):

@@ -104,7 +104,7 @@ class LogprobDecoder:
         if piece.endswith(REPLACEMENT_CHAR):
             repaired = self._repair(token_id)
             return repaired, list(repaired.encode("utf-8"))
-        return piece, self._tok.token_bytes[token_id]
+        return piece, self._tok.token_bytes(token_id)
 
     def _piece_is_split(self, token_id: int) -> bool:
         """The id's piece is part of a character split across ids (an id outside the vocabulary, which

@@ -17,8 +17,9 @@ from typing import Any
 
 import jinja2
 import jinja2.sandbox
+import msgspec
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers.decoders import DecodeStream
+from tokenizers.decoders import ByteLevel, DecodeStream
 
 from pdserve.checkpoints.builtin import qwen3_tokenizer_dir
 from pdserve.checkpoints.model_dir import generation_defaults, model_eos_ids
@@ -151,13 +152,44 @@ class Tokenizer:
         return self.hf.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
 
     def warm_tables(self) -> None:
-        """Build the per-id tables now (a server does this at startup, not on its first logprob request)."""
-        _ = self.token_strings, self.token_bytes
+        """Build the per-id tables now (a server does this at startup, not on its first request)."""
+        _ = self.token_strings, self.token_bytes_json, self.split_piece_ids, self.standalone_pieces
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """UTF-8 bytes of an id's string (U+FFFD for partial byte pieces, as OpenAI reports)."""
+        return list(self.token_strings[token_id].encode("utf-8"))
 
     @cached_property
-    def token_bytes(self) -> list[list[int]]:
-        """UTF-8 bytes of each id's string (U+FFFD for partial byte pieces, as OpenAI reports)."""
-        return [list(s.encode("utf-8")) for s in self.token_strings]
+    def token_bytes_json(self) -> list[msgspec.Raw]:
+        """Per id, the JSON of :meth:`token_bytes` as msgspec writes it, ready to embed: a streamed chunk
+        with ``top_logprobs=20`` carries 21 of them per token. One untracked object per id (about 140
+        bytes), made at startup so that no stream pays for an id's first use."""
+        encode = msgspec.json.Encoder().encode
+        return [msgspec.Raw(encode(list(s.encode("utf-8")))) for s in self.token_strings]
+
+    @cached_property
+    def split_piece_ids(self) -> frozenset[int]:
+        """Ids whose string ends in U+FFFD: pieces of a character split across ids, whose text as a
+        logprob candidate is repaired from the ids before it (text.logprobs.LogprobDecoder)."""
+        return frozenset(i for i, s in enumerate(self.token_strings) if s.endswith(REPLACEMENT_CHAR))
+
+    @cached_property
+    def standalone_pieces(self) -> list[str | None] | None:
+        """Per id, its text where that never depends on its neighbours; None for the other ids, and no
+        table at all for a decoder that is not byte-level.
+
+        A byte-level decoder (GPT-2 style: Qwen3, SmolLM2, Llama 3) maps each vocabulary token to bytes
+        and the output to UTF-8 on its own, so after text that ends on a whole character, an ordinary
+        token whose bytes are whole characters adds exactly its own string: the incremental
+        detokenizer takes it from here instead of a decode call. Added tokens (specials, markup) and
+        pieces of a character (their string holds U+FFFD) keep the decoder's own path.
+        """
+        if not isinstance(self.hf.decoder, ByteLevel):
+            return None
+        added = self.added_ids
+        return [
+            None if i in added or REPLACEMENT_CHAR in s else s for i, s in enumerate(self.token_strings)
+        ]
 
     # ------------------------------------------------------------ chat template
 

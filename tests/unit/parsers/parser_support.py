@@ -13,7 +13,7 @@ from typing import Any
 from tokenizers.decoders import DecodeStream
 
 from pdserve.parsers import ChatParser, ParserConfig
-from pdserve.protocol.openai import ChatCompletionRequest, ChatMessage, DeltaMessage
+from pdserve.protocol.openai import ChatCompletionRequest, ChatMessage, StreamDelta
 from pdserve.text.tokenizer import Tokenizer
 from tests.fixtures.parser_cases import CASES_BY_NAME, ParserCase, Setup
 
@@ -78,7 +78,7 @@ def _append(current: str | None, text: str | None) -> str | None:
     return (current or "") + text
 
 
-def fold(deltas: Sequence[DeltaMessage], finish_reason: str | None) -> Folded:
+def fold(deltas: Sequence[StreamDelta], finish_reason: str | None) -> Folded:
     folded = Folded(finish_reason=finish_reason)
     for delta in deltas:
         assert not delta.is_empty(), "an empty delta is returned as None"
@@ -102,7 +102,7 @@ def stream(
     parser: ChatParser, steps: Sequence[tuple[str, list[int]]], finish_reason: str, separate_finish: bool
 ) -> Folded:
     """Feed the steps; the finish reason rides on the last step, or on an extra empty step."""
-    deltas: list[DeltaMessage] = []
+    deltas: list[StreamDelta] = []
     resolved: str | None = None
     for i, (text, ids) in enumerate(steps):
         last = i == len(steps) - 1 and not separate_finish

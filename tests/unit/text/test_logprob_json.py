@@ -10,12 +10,12 @@ from hypothesis import strategies as st
 
 from pdserve.protocol.engine import PositionLogprobs
 from pdserve.protocol.generate import GenerateLogProbs
-from pdserve.text.logprob_json import ChatLogprobJson, generate_content_json, piece_table
+from pdserve.text.logprob_json import ChatLogprobJson, generate_content_json
 from pdserve.text.logprobs import LogprobDecoder, to_generate_logprobs
 from pdserve.text.tokenizer import Tokenizer
 
 TOK = Tokenizer.load("qwen3")
-REPAIR_IDS = sorted(piece_table(TOK).repair_ids)
+REPAIR_IDS = sorted(TOK.split_piece_ids)
 
 # Ids of every kind: ordinary pieces, split-character pieces (repaired from context), special ids,
 # ids outside the vocabulary; few enough that repeats happen.
