@@ -116,8 +116,8 @@ class _Pipeline:
                 self.reasoning.feed(text, first)
             if finished:
                 self.reasoning.finish(first)
-        if self.tools is None:
-            return first
+        if self.tools is None or (not finished and len(first) == 1 and type(first[0]) is Reasoning):
+            return first  # reasoning never reaches the tool stage
         out: list[Event] = []
         for event in first:
             if isinstance(event, Content):

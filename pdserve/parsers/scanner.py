@@ -61,6 +61,16 @@ class TagScanner:
             self._pos = 0
         self._buf += text
 
+    def take_plain(self, text: str, tags: TagSet) -> bool:
+        """Take ``text`` whole when nothing is buffered and no tag can start in it, so that ``push`` and
+        ``next`` would give it back as text with nothing held (most steps): the caller uses it as is.
+        False: nothing was taken; push it."""
+        first = tags.single_first
+        if first is None or self._pos != len(self._buf) or first in text:
+            return False
+        self.scanned += len(text)
+        return True
+
     def next(self, tags: TagSet) -> tuple[str, str | None]:
         """Text up to the next tag, and the tag.
 

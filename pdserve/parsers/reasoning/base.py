@@ -79,6 +79,10 @@ class ReasoningParser(ABC):
         return self.EMPTY_REASONING_IS_STRING and self._started_in_reasoning
 
     def feed(self, text: str, out: list[Event]) -> None:
+        tags = self.REASONING_TAGS if self.in_reasoning else self.CONTENT_TAGS
+        if text and tags is not None and not self._at_start and self._scanner.take_plain(text, tags):
+            out.append(Reasoning(text) if self.in_reasoning else Content(text))
+            return
         self._scanner.push(text)
         while True:
             tags = self.REASONING_TAGS if self.in_reasoning else self.CONTENT_TAGS

@@ -142,6 +142,9 @@ class HermesToolParser(ToolParser):
         self._call: _HermesCall | None = None
 
     def feed(self, text: str, out: list[Event]) -> None:
+        if text and self._scanner.take_plain(text, _OUTSIDE if self._call is None else _INSIDE):
+            self._text(text, out)
+            return
         self._scanner.push(text)
         while True:
             piece, tag = self._scanner.next(_OUTSIDE if self._call is None else _INSIDE)

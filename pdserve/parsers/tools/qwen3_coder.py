@@ -99,6 +99,9 @@ class Qwen3CoderToolParser(ToolParser):
         self._held_newline = False
 
     def feed(self, text: str, out: list[Event]) -> None:
+        if text and self._scanner.take_plain(text, _TAGS[self._state]):
+            self._text(text, out)
+            return
         self._scanner.push(text)
         while True:
             piece, tag = self._scanner.next(_TAGS[self._state])
