@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import BaseModel, Discriminator, Field, Tag, TypeAdapter, model_validator
 
 from pdserve.protocol.generate import GenerateTokensResponse, GenerateTokensStreamResponse
@@ -66,6 +67,15 @@ class DerenderStreamState(BaseModel):
         if not self.prefix_offset <= self.read_offset <= len(self.prev_tokens):
             raise ValueError("prefix_offset <= read_offset <= len(prev_tokens) must hold")
         return self
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def encode_stream_state(state: DerenderStreamState) -> bytes:
+    """The state's JSON, from its fields as they are (all flat: bools, ints, lists of ids and strings): what
+    ``model_dump_json`` writes, without pydantic's serializer walking every id of a long stream."""
+    return _encode(dict(state))
 
 
 class DerenderChatStreamRequest(BaseModel):

@@ -25,6 +25,7 @@ from pdserve.protocol.derender import (
     DerenderStreamState,
     chat_derender_adapter,
     completion_derender_adapter,
+    encode_stream_state,
 )
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import GenerateTokensChoice, GenerateTokensStreamChoice
@@ -123,11 +124,11 @@ def _stream_choice(
 
 
 def _stream_response(chunk: dict[str, Any], stream_state: DerenderStreamState) -> Response:
-    """``{chunk, stream_state}``: the chunk encoded by msgspec as the streams' events are (it may hold
-    decoded logprob structs), the state (mostly output ids, which grow with the stream) by pydantic's
-    serializer: json.dumps of a long id list would cost more than the rest of a chunk that continues a
-    cached state."""
-    body = b'{"chunk":' + msgspec.json.encode(chunk) + b',"stream_state":' + stream_state.model_dump_json().encode() + b"}"
+    """``{chunk, stream_state}``, both encoded by msgspec: the chunk as the streams' events are (it may hold
+    decoded logprob structs), the state (flat fields, mostly the output ids, which grow with the stream)
+    from its fields as they are, byte for byte what its model_dump_json gives at a third of the cost
+    (tests/unit/protocol/test_derender_state.py)."""
+    body = b'{"chunk":' + msgspec.json.encode(chunk) + b',"stream_state":' + encode_stream_state(stream_state) + b"}"
     return Response(body, media_type="application/json")
 
 

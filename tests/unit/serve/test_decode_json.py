@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve.protocol.errors import RequestError
-from pdserve.serve.http import decode_json
+from pdserve.serve.http import check_json, decode_json
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False, allow_infinity=False)
@@ -35,3 +35,17 @@ def test_what_msgspec_refuses_gets_json_loads_answer() -> None:
         decode_json(b'{"a": ')
     with pytest.raises(RequestError, match="nests deeper"):
         decode_json(b"[" * 100_000 + b"]" * 100_000)
+
+
+SURROGATE = st.sampled_from(["\ud800", "a\udfff", "\udc00b"])
+
+
+@given(JSON, SURROGATE, st.data())
+def test_a_lone_surrogate_anywhere_is_named(value: object, bad: str, data: st.DataObject) -> None:
+    """check_json finds a lone surrogate wherever it sits, lists of numbers included (their fast pass
+    must fall back to the element walk for anything but numbers, booleans and nulls)."""
+    numbers = data.draw(st.lists(st.integers(0, 2**40) | st.floats(allow_nan=False) | st.none(), max_size=8))
+    body = {"ok": value, "ids": [*numbers, bad, *numbers]}
+    with pytest.raises(RequestError, match=rf"ids\[{len(numbers)}\]: the string holds a lone UTF-16 surrogate"):
+        check_json(body)
+    check_json({"ok": value, "ids": numbers})  # numbers alone pass
