@@ -77,15 +77,22 @@ def main() -> int:
     parser.add_argument("--pdserve-port", type=int, default=18810)
     parser.add_argument("--vllm-port", type=int, default=18811)
     parser.add_argument("--no-vllm", action="store_true", help="pdserve alone, pinned the same way (other modes)")
+    parser.add_argument("--model", default=None,
+                        help="a HF model dir both servers load (default: qwen3-tiny with head_dim 32, built here); "
+                             "e.g. ~/.cache/pdserve/models/smollm2-135m for the engines at a real model's pace")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--no-parsers", action="store_true",
+                        help="serve without the qwen3 + hermes parsers (a model whose vocabulary lacks their tags)")
     parser.add_argument("extra", nargs="*")
     args = parser.parse_args()
     if not VLLM_PY.is_file() and not args.no_vllm:
         sys.exit("no .venv-vllm: run `make vllm-env` first")
-    model = str(model_dir())
+    model = str(Path(args.model).expanduser()) if args.model else str(model_dir())
     # Room for the longest output plus a prompt of bench serve's random dataset.
     max_model_len = str(max(2048, args.output_len + 1024))
-    common = ["--served-model-name", "qwen3-tiny", "--max-model-len", max_model_len, "--dtype", "float32",
-              "--max-num-seqs", "16", *PARSERS, "--host", "127.0.0.1"]
+    parsers = [] if args.no_parsers else PARSERS
+    common = ["--served-model-name", Path(model).name if args.model else "qwen3-tiny", "--max-model-len", max_model_len, "--dtype", args.dtype,
+              "--max-num-seqs", "16", *parsers, "--host", "127.0.0.1"]
     pd_log, vllm_log = Path("/tmp/bench-vs-vllm-pdserve.log"), Path("/tmp/bench-vs-vllm-vllm.log")
     servers = [start([sys.executable, "-m", "pdserve.cli", "serve", model, *common, "--port", str(args.pdserve_port)],
                      pd_log, {})]
