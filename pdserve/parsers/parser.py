@@ -231,6 +231,10 @@ class ChatParser:
             return (TextDelta(content=delta_text) if delta_text else None), finish_reason
         if self._stream is None:
             self._stream = self._pipeline()
+        reasoning = self._stream.reasoning
+        if not finished and delta_text and reasoning is not None and reasoning.take_plain_reasoning(delta_text):
+            # Most steps of a thinking model: one piece of reasoning, which the tool stage never sees.
+            return (TextDelta(reasoning=delta_text) if self._include_reasoning else None), None
         delta = self._delta(self._stream.run(delta_text, finish_reason, finished))
         resolved = self._resolve_finish_reason(finish_reason, self.tools_streamed) if finished else None
         return delta, resolved

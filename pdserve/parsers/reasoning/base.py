@@ -78,6 +78,11 @@ class ReasoningParser(ABC):
         """Whether a batch message without reasoning text says ``""`` rather than None."""
         return self.EMPTY_REASONING_IS_STRING and self._started_in_reasoning
 
+    def take_plain_reasoning(self, text: str) -> bool:
+        """Take ``text`` whole as reasoning when that is all :meth:`feed` would make of it: in reasoning,
+        past the start, nothing buffered, no tag can start in it. False: nothing was taken."""
+        return self.in_reasoning and not self._at_start and self._scanner.take_plain(text, self.REASONING_TAGS)
+
     def feed(self, text: str, out: list[Event]) -> None:
         tags = self.REASONING_TAGS if self.in_reasoning else self.CONTENT_TAGS
         if text and tags is not None and not self._at_start and self._scanner.take_plain(text, tags):
