@@ -91,7 +91,8 @@ def main() -> int:
     # Room for the longest output plus a prompt of bench serve's random dataset.
     max_model_len = str(max(2048, args.output_len + 1024))
     parsers = [] if args.no_parsers else PARSERS
-    common = ["--served-model-name", Path(model).name if args.model else "qwen3-tiny", "--max-model-len", max_model_len, "--dtype", args.dtype,
+    name = Path(model).name if args.model else "qwen3-tiny"
+    common = ["--served-model-name", name, "--max-model-len", max_model_len, "--dtype", args.dtype,
               "--max-num-seqs", "16", *parsers, "--host", "127.0.0.1"]
     pd_log, vllm_log = Path("/tmp/bench-vs-vllm-pdserve.log"), Path("/tmp/bench-vs-vllm-vllm.log")
     servers = [start([sys.executable, "-m", "pdserve.cli", "serve", model, *common, "--port", str(args.pdserve_port)],

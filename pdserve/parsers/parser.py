@@ -46,10 +46,10 @@ from pdserve.protocol.openai import (
     ChatMessage,
     DeltaFunctionCall,
     DeltaMessage,
-    StreamDelta,
-    TextDelta,
     DeltaToolCall,
     FunctionCall,
+    StreamDelta,
+    TextDelta,
     ToolCall,
     make_tool_call_id,
 )
@@ -116,8 +116,8 @@ class _Pipeline:
                 self.reasoning.feed(text, first)
             if finished:
                 self.reasoning.finish(first)
-        if self.tools is None or (not finished and len(first) == 1 and type(first[0]) is Reasoning):
-            return first  # reasoning never reaches the tool stage
+        if self.tools is None:
+            return first
         out: list[Event] = []
         for event in first:
             if isinstance(event, Content):
@@ -232,7 +232,7 @@ class ChatParser:
         if self._stream is None:
             self._stream = self._pipeline()
         reasoning = self._stream.reasoning
-        if not finished and delta_text and reasoning is not None and reasoning.take_plain_reasoning(delta_text):
+        if not finished and reasoning is not None and reasoning.take_plain_reasoning(delta_text):
             # Most steps of a thinking model: one piece of reasoning, which the tool stage never sees.
             return (TextDelta(reasoning=delta_text) if self._include_reasoning else None), None
         delta = self._delta(self._stream.run(delta_text, finish_reason, finished))

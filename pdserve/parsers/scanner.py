@@ -23,8 +23,16 @@ class TagSet:
         self._prefixes = frozenset(t[:k] for t in tags for k in range(1, len(t)))
         self._max_prefix = max(len(t) for t in tags) - 1
         self._first_chars = tuple(sorted({t[0] for t in tags}))
-        # The one character every tag starts with, where there is one ("<" for every parser here).
-        self.single_first = self._first_chars[0] if len(self._first_chars) == 1 else None
+        # The one character every tag starts with ("<" for most sets here), None when they differ: one
+        # find (or, on the hot path, TagScanner.take_plain, one ``in``) answers may_start.
+        self.first = self._first_chars[0] if len(self._first_chars) == 1 else None
+
+    def may_start(self, text: str, pos: int = 0) -> bool:
+        """Whether a tag (or a tag's prefix) could start in ``text[pos:]``: a tag's first character is
+        there. Most steps' text holds none, and this is checked in C before any regex or slicing."""
+        if self.first is not None:
+            return text.find(self.first, pos) >= 0
+        return any(text.find(first, pos) >= 0 for first in self._first_chars)
 
     def search(self, text: str, pos: int) -> re.Match[str] | None:
         return self._pattern.search(text, pos)
@@ -32,10 +40,7 @@ class TagSet:
     def partial_suffix_len(self, text: str, pos: int) -> int:
         """Length of the longest suffix of ``text[pos:]`` that is a proper prefix of a tag."""
         end = len(text)
-        low = max(pos, end - self._max_prefix)
-        # A tag's prefix starts with a tag's first character: without one near the end, none can (the
-        # common case, checked in C before any slicing).
-        if not any(text.find(first, low) >= 0 for first in self._first_chars):
+        if not self.may_start(text, max(pos, end - self._max_prefix)):
             return 0
         for k in range(min(self._max_prefix, end - pos), 0, -1):
             if text[end - k :] in self._prefixes:
@@ -65,8 +70,8 @@ class TagScanner:
         """Take ``text`` whole when nothing is buffered and no tag can start in it, so that ``push`` and
         ``next`` would give it back as text with nothing held (most steps): the caller uses it as is.
         False: nothing was taken; push it."""
-        first = tags.single_first
-        if first is None or self._pos != len(self._buf) or first in text:
+        first = tags.first
+        if self._pos != len(self._buf) or (first in text if first is not None else tags.may_start(text)):
             return False
         self.scanned += len(text)
         return True
@@ -80,7 +85,7 @@ class TagScanner:
         """
         start = self._pos
         buf = self._buf
-        if tags.single_first is not None and buf.find(tags.single_first, start) < 0:
+        if not tags.may_start(buf, start):
             # No tag can start in what is left (most steps): all of it is text, nothing is held.
             self.scanned += len(buf) - start
             self._pos = len(buf)

@@ -109,7 +109,7 @@ class LogprobDecoder:
     def _piece_is_split(self, token_id: int) -> bool:
         """The id's piece is part of a character split across ids (an id outside the vocabulary, which
         a model with a padded vocabulary can sample, has no piece: it decodes to nothing)."""
-        return self._tok.in_vocab(token_id) and self._tok.token_strings[token_id].endswith(REPLACEMENT_CHAR)
+        return token_id in self._tok.split_piece_ids
 
     def _repair(self, token_id: int) -> str:
         """Decode a byte-fallback piece with up to 4 preceding sampled ids, keep only its own text."""

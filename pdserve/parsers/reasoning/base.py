@@ -79,13 +79,17 @@ class ReasoningParser(ABC):
         return self.EMPTY_REASONING_IS_STRING and self._started_in_reasoning
 
     def take_plain_reasoning(self, text: str) -> bool:
-        """Take ``text`` whole as reasoning when that is all :meth:`feed` would make of it: in reasoning,
-        past the start, nothing buffered, no tag can start in it. False: nothing was taken."""
-        return self.in_reasoning and not self._at_start and self._scanner.take_plain(text, self.REASONING_TAGS)
+        """Take ``text`` whole as reasoning when that is all :meth:`feed` would make of it. False: nothing
+        was taken."""
+        return self.in_reasoning and self._take_plain(text, self.REASONING_TAGS)
+
+    def _take_plain(self, text: str, tags: TagSet | None) -> bool:
+        """Take ``text`` whole as one event of the state whose tags are ``tags`` (past the start, nothing
+        buffered, no tag can start in it). False: nothing was taken."""
+        return tags is not None and not self._at_start and text != "" and self._scanner.take_plain(text, tags)
 
     def feed(self, text: str, out: list[Event]) -> None:
-        tags = self.REASONING_TAGS if self.in_reasoning else self.CONTENT_TAGS
-        if text and tags is not None and not self._at_start and self._scanner.take_plain(text, tags):
+        if self._take_plain(text, self.REASONING_TAGS if self.in_reasoning else self.CONTENT_TAGS):
             out.append(Reasoning(text) if self.in_reasoning else Content(text))
             return
         self._scanner.push(text)

@@ -3,6 +3,8 @@ it, byte for byte, for any state the wire type accepts: the route encodes it fro
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -23,7 +25,7 @@ def states(draw: st.DrawFn) -> DerenderStreamState:
         logprob_context_token_ids=draw(st.lists(st.integers(0, 2**31), max_size=4)),
         logprob_text_offset=draw(st.integers(0, 10**6)),
         output_token_ids=output,
-        output_chunk_lens=[b - a for a, b in zip(bounds, bounds[1:])],
+        output_chunk_lens=[b - a for a, b in itertools.pairwise(bounds)],
         tools_streamed=draw(st.booleans()),
         last_tool_call_ids=draw(st.lists(st.text(max_size=12), max_size=3)),
         prev_tokens=prev, prefix_offset=draw(st.integers(0, read)), read_offset=read,
