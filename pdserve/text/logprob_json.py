@@ -1,13 +1,14 @@
-"""Logprob content encoded for stream chunks, without a struct's list of byte values per candidate.
+"""Logprob content encoded for stream chunks, without a struct per candidate.
 
 With ``logprobs=20`` every streamed token carries 21 candidates. Building a decoded entry per
 candidate (a method call each, the piece looked up and checked) and encoding its UTF-8 bytes as a
-list of ints cost about 70 µs per token in process, more than the rest of the chunk ten times over.
-Here each id's piece and its bytes' JSON come from the tokenizer's startup tables
-(``token_strings``, ``token_bytes_json``), a candidate is a three-field struct built in a
-comprehension, and a chunk's content is one encode. The bytes are exactly what msgspec writes for
-:meth:`LogprobDecoder.chat_content`'s structs and what the ``tokens``-level models dump to
-(property-tested), so a chunk embeds them as ``msgspec.Raw``.
+list of ints cost about 70 µs per token in process, more than the rest of the chunk ten times over;
+a struct per candidate with its piece and bytes' JSON from two tables still cost 18 µs on random ids
+(25 with the caches cold, as they are after an engine step), most of it cache misses on the tables.
+Here a candidate is one read of the tokenizer's ``logprob_candidate_formats`` (its JSON, the value
+left open) filled with its value, and a token's values are encoded in one call. The bytes are
+exactly what msgspec writes for :meth:`LogprobDecoder.chat_content`'s structs and what the
+``tokens``-level models dump to (property-tested), so a chunk embeds them as ``msgspec.Raw``.
 
 A piece that ends in U+FFFD (its text is repaired from the preceding sampled ids) is prepared where
 it occurs; so is an id past the tokenizer's vocabulary (a padded model vocabulary samples them); a
@@ -21,21 +22,10 @@ from collections.abc import Sequence
 import msgspec
 
 from pdserve.protocol.engine import PositionLogprobs
-from pdserve.text.logprobs import LOGPROB_FLOOR, LogprobDecoder, TokenLogprobs, clamp_logprob, distinct_candidates
+from pdserve.text.logprobs import LOGPROB_FLOOR, LogprobDecoder, clamp_logprob, distinct_candidates
+from pdserve.text.tokenizer import logprob_candidate_format
 
 _encode = msgspec.json.Encoder().encode
-
-
-class _Candidate(msgspec.Struct):
-    """A chat-shape candidate as :class:`~pdserve.text.logprobs.TokenLogprob` encodes, its bytes' JSON ready."""
-
-    token: str
-    logprob: float
-    bytes: msgspec.Raw
-
-
-class _Entry(_Candidate):
-    top_logprobs: list[_Candidate]
 
 
 def _sampled_repeat(ids: list[int]) -> int | None:
@@ -56,6 +46,17 @@ def _without(values: list, j: int) -> list:
     return values if j < 0 else values[:j] + values[j + 1 :]
 
 
+def _encoded_values(logprobs: list[float]) -> list[bytes]:
+    """Each value as msgspec writes it, clamped to the floor (NaN too): one encode for the row.
+
+    msgspec writes a NaN or an infinity as ``null``; a row with one, or with a value under the
+    floor, is clamped and encoded again. A float's JSON never holds a comma."""
+    values = _encode(logprobs)
+    if b"null" in values or min(logprobs) < LOGPROB_FLOOR:
+        values = _encode([clamp_logprob(v) for v in logprobs])
+    return values[1:-1].split(b",")
+
+
 class ChatLogprobJson:
     """One sequence's chat-shape logprob content as JSON: ``LogprobDecoder.chat_content``, encoded.
 
@@ -65,57 +66,49 @@ class ChatLogprobJson:
     def __init__(self, decoder: LogprobDecoder) -> None:
         self._decoder = decoder
         tokenizer = decoder.tokenizer
-        self._strings = tokenizer.token_strings
-        self._raws = tokenizer.token_bytes_json
+        self._formats = tokenizer.logprob_candidate_formats
         self._split_ids = tokenizer.split_piece_ids
 
     def content(
         self, positions: Sequence[PositionLogprobs | None], sampled_ids: Sequence[int], top_limit: int | None
     ) -> bytes:
         """The JSON array ``chat_content(positions, sampled_ids, top_limit)`` encodes to."""
-        entries: list[_Entry | TokenLogprobs] = []
+        entries: list[bytes] = []
         for position, sampled_id in zip(positions, sampled_ids):
             entry = self._entry(position, sampled_id, top_limit)
             if entry is None:
-                entries.extend(self._decoder.chat_content([position], [sampled_id], top_limit))
+                entries.extend(map(_encode, self._decoder.chat_content([position], [sampled_id], top_limit)))
             else:
                 self._decoder.remember(sampled_id)
                 entries.append(entry)
-        return _encode(entries)
+        return b"[" + b",".join(entries) + b"]"
 
-    def _entry(self, position: PositionLogprobs | None, sampled_id: int, top_limit: int | None) -> _Entry | None:
+    def _entry(self, position: PositionLogprobs | None, sampled_id: int, top_limit: int | None) -> bytes | None:
         if position is None or not position.token_ids or position.token_ids[0] != sampled_id:
             return None
         j = _sampled_repeat(position.token_ids)
         if j is None:
             return None
-        ids, logprobs = _without(position.token_ids, j), _without(position.logprobs, j)
-        head_logprob = clamp_logprob(logprobs[0])
+        ids = _without(position.token_ids, j)
+        values = _encoded_values(_without(position.logprobs, j))
         if top_limit is not None:
             ids = ids[:top_limit]
-        strings, raws = self._strings, self._raws
-        if self._split_ids.isdisjoint(position.token_ids) and max(position.token_ids) < len(strings):
-            # Every candidate's piece is in the tables (the usual case); clamp_logprob inlined: a call
-            # per candidate is a measurable share of this loop.
-            tops = [
-                _Candidate(strings[t], v if v >= LOGPROB_FLOOR else LOGPROB_FLOOR, raws[t])
-                for t, v in zip(ids, logprobs)
-            ]
-            return _Entry(strings[sampled_id], head_logprob, raws[sampled_id], tops)
-        tops = []
-        for t, v in zip(ids, logprobs):
-            piece, piece_raw = self._piece(t)
-            tops.append(_Candidate(piece, v if v >= LOGPROB_FLOOR else LOGPROB_FLOOR, piece_raw))
-        token, raw = self._piece(sampled_id)
-        return _Entry(token, head_logprob, raw, tops)
+        formats = self._formats
+        if self._split_ids.isdisjoint(position.token_ids) and max(position.token_ids) < len(formats):
+            # Every candidate's piece is in the table (the usual case).
+            tops = [formats[t] % v for t, v in zip(ids, values)]
+            head = formats[sampled_id] % values[0]
+        else:
+            tops = [self._format(t) % v for t, v in zip(ids, values)]
+            head = self._format(sampled_id) % values[0]
+        return head[:-1] + b',"top_logprobs":[' + b",".join(tops) + b"]}"
 
-    def _piece(self, token_id: int) -> tuple[str, msgspec.Raw]:
-        """An id's piece and its bytes' JSON: from the tables, or as repaired here and now for a split
-        character (an id outside the vocabulary has none: it decodes to nothing)."""
-        if token_id not in self._split_ids and 0 <= token_id < len(self._strings):
-            return self._strings[token_id], self._raws[token_id]
-        piece, raw = self._decoder.piece(token_id)
-        return piece, msgspec.Raw(_encode(raw))
+    def _format(self, token_id: int) -> bytes:
+        """An id's candidate format: from the table, or as repaired here and now for a split character
+        (an id outside the vocabulary has none: it decodes to nothing)."""
+        if token_id not in self._split_ids and 0 <= token_id < len(self._formats):
+            return self._formats[token_id]
+        return logprob_candidate_format(self._decoder.piece(token_id)[0])
 
 
 class _IdLogprob(msgspec.Struct):

@@ -26,6 +26,16 @@ from pdserve.checkpoints.model_dir import generation_defaults, model_eos_ids
 
 REPLACEMENT_CHAR = "\ufffd"
 
+_encode_json = msgspec.json.Encoder().encode
+
+
+def logprob_candidate_format(piece: str) -> bytes:
+    """A chat logprob candidate's JSON as msgspec writes ``TokenLogprob(piece, value, its UTF-8 bytes)``,
+    with the value a ``%b`` slot (and any ``%`` of the piece doubled): ``format % b"-0.5"`` is the
+    candidate. The value is the one field that differs from token to token for the same id."""
+    token = _encode_json(piece).replace(b"%", b"%%")
+    return b'{"token":' + token + b',"logprob":%b,"bytes":' + _encode_json(list(piece.encode("utf-8"))) + b"}"
+
 
 class TokenizerNotFound(ValueError):
     """The tokenizer name or path does not lead to a tokenizer.json."""
@@ -153,19 +163,20 @@ class Tokenizer:
 
     def warm_tables(self) -> None:
         """Build the per-id tables now (a server does this at startup, not on its first request)."""
-        _ = self.token_strings, self.token_bytes_json, self.split_piece_ids, self.standalone_pieces
+        _ = self.token_strings, self.logprob_candidate_formats, self.split_piece_ids, self.standalone_pieces
 
     def token_bytes(self, token_id: int) -> list[int]:
         """UTF-8 bytes of an id's string (U+FFFD for partial byte pieces, as OpenAI reports)."""
         return list(self.token_strings[token_id].encode("utf-8"))
 
     @cached_property
-    def token_bytes_json(self) -> list[msgspec.Raw]:
-        """Per id, the JSON of :meth:`token_bytes` as msgspec writes it, ready to embed: a streamed chunk
-        with ``top_logprobs=20`` carries 21 of them per token. One untracked object per id (about 140
-        bytes), made at startup so that no stream pays for an id's first use."""
-        encode = msgspec.json.Encoder().encode
-        return [msgspec.Raw(encode(list(s.encode("utf-8")))) for s in self.token_strings]
+    def logprob_candidate_formats(self) -> list[bytes]:
+        """Per id, its chat logprob candidate as JSON with the value left open
+        (:func:`logprob_candidate_format`): a streamed chunk with ``top_logprobs=20`` carries 21 of
+        them per token. One bytes object per id (about 100 bytes, its text inline), made at startup so
+        that no stream pays for an id's first use, and so that a candidate costs one table read: on
+        random ids every read is a cache miss."""
+        return [logprob_candidate_format(s) for s in self.token_strings]
 
     @cached_property
     def split_piece_ids(self) -> frozenset[int]:

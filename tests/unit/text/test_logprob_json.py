@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from pdserve.protocol.engine import PositionLogprobs
 from pdserve.protocol.generate import GenerateLogProbs
 from pdserve.text.logprob_json import ChatLogprobJson, generate_content_json
-from pdserve.text.logprobs import LogprobDecoder, to_generate_logprobs
-from pdserve.text.tokenizer import Tokenizer
+from pdserve.text.logprobs import LogprobDecoder, TokenLogprob, to_generate_logprobs
+from pdserve.text.tokenizer import Tokenizer, logprob_candidate_format
 
 TOK = Tokenizer.load("qwen3")
 REPAIR_IDS = sorted(TOK.split_piece_ids)
@@ -80,3 +80,11 @@ def test_split_characters_are_repaired_in_json_too() -> None:
     content = msgspec.json.decode(ChatLogprobJson(LogprobDecoder(TOK)).content(positions, ids, None))
     assert "".join(entry["token"] for entry in content) == " 🎉ok"
     assert all("\ufffd" not in entry["token"] for entry in content)
+
+
+@given(piece=st.text(max_size=12), value=st.floats(-9999, 0))
+def test_candidate_format_is_the_struct_with_its_value(piece, value) -> None:
+    """Any piece (a ``%`` in it is not a format directive, quotes and controls are escaped) filled
+    with a value written by msgspec gives the candidate struct's JSON."""
+    filled = logprob_candidate_format(piece) % msgspec.json.encode(value)
+    assert filled == msgspec.json.encode(TokenLogprob(piece, value, list(piece.encode("utf-8"))))
