@@ -1,5 +1,8 @@
 """The torch step loop: admit + prefill, one decode step for every running sequence, postprocess.
 
+The requests admitted in one step prefill together: their prompts run through the model in one
+pass (each weight read once, attention per prompt) and their first tokens are sampled in one call.
+
 Postprocessing turns each sampled token into an :class:`EngineOutput` and decides its finish
 (EOS, stop ids, max_tokens, max_model_len); the scheduler (``scheduler.py``) decides who runs and
 the sampler (``sampler.py``) picks the tokens. Commands and steps add to one
@@ -17,7 +20,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -61,7 +64,9 @@ class StepLoop:
         self.primary_eos = info.eos_token_ids[0] if info.eos_token_ids else None
         self.eos_ids = frozenset(info.eos_token_ids)
         self.cache = KVCache(model.cfg, info.max_num_seqs, info.max_model_len, model.dtype)
-        self.scheduler: Scheduler[ScheduledRequest, ScheduledSequence] = Scheduler(info.max_num_seqs, MAX_PREFILL_TOKENS)
+        self.scheduler: Scheduler[ScheduledRequest, ScheduledSequence] = Scheduler(
+            info.max_num_seqs, MAX_PREFILL_TOKENS
+        )
         self.requests: dict[str, ScheduledRequest] = {}
         self._seed_source = random.Random(seed)
         self._out = StepOutputs()
@@ -177,9 +182,9 @@ class StepLoop:
     def step(self) -> None:
         if self.kv is not None:
             self._advance_pulls()
-        for req in self.scheduler.admit():
-            req.scheduled_at = time.monotonic()
-            self._prefill(req)
+        admitted = self.scheduler.admit()
+        if admitted:
+            self._prefill(admitted)
         if self.scheduler.running:
             self._decode()
 
@@ -187,23 +192,43 @@ class StepLoop:
         out, self._out = self._out, StepOutputs()
         return out
 
-    def _prefill(self, req: ScheduledRequest) -> None:
-        live = [s for s in req.sequences if s.live]  # stop_sequence may have dropped some while waiting
-        for seq in live:
-            self.scheduler.place(seq)
-        if req.kv_pulled:
-            self._load_pulled(req, live)
-            return
-        self._prompt_tokens_computed += req.prompt_len
-        prompt = torch.tensor(req.prompt, dtype=torch.long)
-        hidden = self.model.prefill(prompt, self.cache, live[0].slot)
-        for seq in live[1:]:
-            self.cache.copy_slot(live[0].slot, seq.slot, req.prompt_len)
-        prompt_logprobs = self._prompt_logprobs(req, hidden) if req.sampling.prompt_logprobs is not None else None
-        logits = self.model.logits(hidden[-1:]).expand(len(live), -1).contiguous()
-        for seq in live:
-            seq.num_cached = req.prompt_len
-        self._sample_and_emit(live, logits, prompt_logprobs)
+    def _prefill(self, admitted: list[ScheduledRequest]) -> None:
+        """Place the admitted requests' sequences, then compute their prompts in one pass (pulled ones load theirs)."""
+        computed: list[tuple[ScheduledRequest, list[ScheduledSequence]]] = []
+        for req in admitted:
+            req.scheduled_at = time.monotonic()
+            live = [s for s in req.sequences if s.live]  # stop_sequence may have dropped some while waiting
+            for seq in live:
+                self.scheduler.place(seq)
+            if req.kv_pulled:
+                self._load_pulled(req, live)
+            else:
+                computed.append((req, live))
+        if computed:
+            self._compute_prompts(computed)
+
+    def _compute_prompts(self, batch: list[tuple[ScheduledRequest, list[ScheduledSequence]]]) -> None:
+        """Prefill the prompts together (each into its first live sequence's slot, copied to the
+        others) and sample every sequence's first token in one call."""
+        lengths = [req.prompt_len for req, _ in batch]
+        self._prompt_tokens_computed += sum(lengths)
+        tokens = torch.tensor([t for req, _ in batch for t in req.prompt], dtype=torch.long)
+        hidden = self.model.prefill_batch(tokens, lengths, [live[0].slot for _, live in batch], self.cache)
+        last_rows = torch.tensor(lengths).cumsum(0) - 1
+        last_logits = self.model.logits(hidden[last_rows])
+        seqs: list[ScheduledSequence] = []
+        logit_rows: list[int] = []
+        prompt_logprobs: dict[ScheduledRequest, list[PositionLogprobs | None]] = {}
+        for row, ((req, live), prompt_hidden) in enumerate(zip(batch, hidden.split(lengths), strict=True)):
+            for seq in live[1:]:
+                self.cache.copy_slot(live[0].slot, seq.slot, req.prompt_len)
+            if req.sampling.prompt_logprobs is not None:
+                prompt_logprobs[req] = self._prompt_logprobs(req, prompt_hidden)
+            for seq in live:
+                seq.num_cached = req.prompt_len
+            seqs.extend(live)
+            logit_rows.extend([row] * len(live))
+        self._sample_and_emit(seqs, last_logits[logit_rows], prompt_logprobs)
 
     def _decode(self) -> None:
         running = list(self.scheduler.running)
@@ -215,11 +240,18 @@ class StepLoop:
             seq.num_cached += 1
             if seq.request.kv_prompt_tail is not None:
                 self._restore_prompt_tail(seq)
-        self._sample_and_emit(running, self.model.logits(hidden), None)
+        self._sample_and_emit(running, self.model.logits(hidden), {})
 
     def _sample_and_emit(
-        self, seqs: list[ScheduledSequence], logits: torch.Tensor, prompt_logprobs: list[PositionLogprobs | None] | None
+        self,
+        seqs: list[ScheduledSequence],
+        logits: torch.Tensor,
+        prompt_logprobs: Mapping[ScheduledRequest, list[PositionLogprobs | None]],
     ) -> None:
+        """Sample one token per row of ``logits`` (one row per sequence), emit it and retire what finished.
+
+        ``prompt_logprobs`` go out with the first token of the sequence of index 0 of their request.
+        """
         tokens, logprobs = sample(logits, [s.state for s in seqs])
         finished: list[ScheduledSequence] = []
         for row, seq in enumerate(seqs):
@@ -235,7 +267,7 @@ class StepLoop:
                     index=seq.index,
                     new_token_ids=[token],
                     new_logprobs=None if logprobs[row] is None else [logprobs[row]],
-                    prompt_logprobs=prompt_logprobs if seq.index == 0 else None,
+                    prompt_logprobs=prompt_logprobs.get(seq.request) if seq.index == 0 else None,
                     finish_reason=finish,
                     stop_reason=reason,
                     kv_transfer_params=kv_params,
@@ -295,7 +327,9 @@ class StepLoop:
     def _admit_exports(self) -> None:
         """Prefill legs enter the scheduler in arrival order once the pool holds their prompt."""
         assert self.kv is not None
-        while self._awaiting_blocks and self.kv.reserve(self._awaiting_blocks[0].request_id, self._awaiting_blocks[0].prompt_len):
+        while self._awaiting_blocks and self.kv.reserve(
+            self._awaiting_blocks[0].request_id, self._awaiting_blocks[0].prompt_len
+        ):
             self.scheduler.add(self._awaiting_blocks.popleft())
 
     def _advance_pulls(self) -> None:

@@ -8,30 +8,31 @@ KV cache is preallocated.
 
 Batch invariance (a sequence decodes to the same tokens whatever else shares its batch)
 needs every op to compute a row with shapes that do not depend on the other rows. Decode
-attention does: it is batched per (row, kv head) and pads keys past each row's length with
-a mask, which adds exact zeros only. The linears do only in the batch-invariant mode
-(``batch_invariant=True``): oneDNN chooses its matmul kernel by the number of rows (on CPUs
-with AMX, up to ~32 rows run an AVX-512 kernel and more rows the AMX tiles, which round
-differently), so by default a row's bits may change with the batch size. In the
-batch-invariant mode every linear kernel call has exactly :data:`INVARIANT_ROWS` rows,
-padded, so the choice cannot depend on the batch on any CPU. tests/unit/engine/test_models.py
-checks both modes; docs/engine.md has the speed cost.
+attention does: SDPA's flash kernel computes each (row, head) on its own, and keys past each
+row's length are masked, which adds exact zeros only (also across its 512-key blocks). The
+linears do only in the batch-invariant mode (``batch_invariant=True``): oneDNN chooses its
+matmul kernel by the number of rows (on CPUs with AMX, up to ~32 rows run an AVX-512 kernel
+and more rows the AMX tiles, which round differently), so by default a row's bits may change
+with the batch size. In the batch-invariant mode every linear kernel call has exactly
+:data:`INVARIANT_ROWS` rows, padded, so the choice cannot depend on the batch on any CPU.
+tests/unit/engine/test_models.py checks both modes; docs/engine.md has the speed cost.
 """
 
 from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
-# Decode attention runs over a key span rounded up to this many positions: oneDNN compiles
-# a kernel per matmul shape, and a span growing by one every step recompiled it every step.
-ATTENTION_SPAN_ALIGN = 64
+# Decode attention runs over a key span rounded up to this many positions, so its kernels
+# see a new shape at most every this many steps (oneDNN compiles a kernel per matmul shape).
+# The padding costs attention time: 16 instead of 64 saved ~3% of a batch-8 SmolLM2 step.
+ATTENTION_SPAN_ALIGN = 16
 # Largest decode batch computed in one pass (rows beyond run in further passes).
 DECODE_MICROBATCH = 64
 # Rows of every linear-layer kernel call in the batch-invariant mode: the default max_num_seqs,
@@ -123,24 +124,26 @@ class KVCache:
         self.data = torch.frombuffer(self._memory, dtype=dtype).view(shape)
         self.keys, self.values = self.data[0], self.data[1]
         self.max_len = max_len
-        # Flat per-layer views: one index_copy_ scatters a decode step's new rows.
-        self._flat_keys = [k.view(-1, cfg.head_dim) for k in self.keys]
-        self._flat_values = [v.view(-1, cfg.head_dim) for v in self.values]
-        self._kv_heads = cfg.num_kv_heads
+        # The whole cache as rows of head_dim: one index_put_ scatters a layer's new keys and
+        # values of a decode step, read in place from the fused heads of its projection.
+        self._rows = self.data.view(-1, cfg.head_dim)
+        self._layers, self._slots, self._kv_heads = cfg.num_layers, num_slots, cfg.num_kv_heads
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of a slot (all layers) to another slot."""
         self.data[:, :, dst, :, :length] = self.data[:, :, src, :, :length]
 
     def flat_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Indices for :meth:`store`: (slot, every kv head, position), slot-major like the rows of k/v."""
-        heads = torch.arange(self._kv_heads)
-        return ((slots[:, None] * self._kv_heads + heads[None, :]) * self.max_len + positions[:, None]).reshape(-1)
+        """Indices for :meth:`store`, ``[layers, rows, 2 * kv_heads]``: where each sequence's keys, then values, go."""
+        kv_head = torch.arange(2 * self._kv_heads)
+        kv, head = kv_head // self._kv_heads, kv_head % self._kv_heads
+        layer = torch.arange(self._layers)[:, None, None]
+        slot_of = ((kv * self._layers + layer) * self._slots + slots[:, None]) * self._kv_heads + head
+        return slot_of * self.max_len + positions[:, None]
 
-    def store(self, layer: int, flat_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write one ``[rows, kv_heads, head_dim]`` key/value per sequence at the places of ``flat_rows``."""
-        self._flat_keys[layer].index_copy_(0, flat_rows, keys.reshape(-1, keys.shape[-1]))
-        self._flat_values[layer].index_copy_(0, flat_rows, values.reshape(-1, values.shape[-1]))
+    def store(self, layer: int, flat_rows: torch.Tensor, keys_values: torch.Tensor) -> None:
+        """Write ``[rows, 2 * kv_heads, head_dim]`` (keys, then values) of one layer at the places of ``flat_rows``."""
+        self._rows.index_put_((flat_rows[layer],), keys_values)
 
 
 class Linear:
@@ -248,15 +251,15 @@ class LlamaForCausalLM:
         # rotate_half form: x * cos + roll(x, half) * sin_signed, sin_signed = [-sin, sin].
         self._cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
         self._sin = torch.cat([-angles.sin(), angles.sin()], -1).to(dtype)
-        self._scale = cfg.head_dim**-0.5
         self._q_width = cfg.num_heads * cfg.head_dim
         self._qk_heads = cfg.num_heads + cfg.num_kv_heads
+        self._heads = self._qk_heads + cfg.num_kv_heads
 
     # -- architecture hooks -------------------------------------------------------------
 
-    def _normalize_qk(self, layer: LayerWeights, qk: torch.Tensor) -> torch.Tensor:
-        """Per-head normalisation of queries/keys before RoPE (none for Llama)."""
-        return qk
+    def _normalize_qk(self, layer: LayerWeights, heads: torch.Tensor) -> torch.Tensor:
+        """Per-head normalisation of the query and key heads of ``[N, heads, head_dim]`` before RoPE (none for Llama)."""
+        return heads
 
     # -- forward passes -----------------------------------------------------------------
 
@@ -266,50 +269,85 @@ class LlamaForCausalLM:
         Rounding before the weight multiply matters: SmolLM2's greedy answer to "What is the
         capital of France?" flips between two near-tied first tokens with a single rounding.
         """
-        return F.rms_norm(x.float(), (x.shape[-1],), None, self.cfg.rms_norm_eps).to(self.dtype) * weight
+        xf = x.float()
+        inverse_rms = torch.mean(xf * xf, -1, keepdim=True).add_(self.cfg.rms_norm_eps).rsqrt_()
+        # A float product written to a model-dtype tensor is rounded once, as .to(dtype) would.
+        return torch.mul(xf, inverse_rms, out=torch.empty_like(x)).mul_(weight)
 
-    def _rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return torch.addcmul(qk * cos, qk.roll(self.cfg.head_dim // 2, -1), sin)
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[N, heads, head_dim]`` for :meth:`_rope` over all heads of a projection.
+
+        The value heads get cos 1 and sin 0: ``v * 1 + roll(v) * 0`` is ``v`` exactly, and one
+        op over every head is cheaper than slicing the query/key heads out and back.
+        """
+        n, cfg = positions.shape[0], self.cfg
+        qk_shape, v_shape = (n, self._qk_heads, cfg.head_dim), (n, cfg.num_kv_heads, cfg.head_dim)
+        one, zero = torch.ones((), dtype=self.dtype), torch.zeros((), dtype=self.dtype)
+        cos = torch.cat([self._cos[positions][:, None].expand(qk_shape), one.expand(v_shape)], 1)
+        sin = torch.cat([self._sin[positions][:, None].expand(qk_shape), zero.expand(v_shape)], 1)
+        return cos, sin
+
+    def _rope(self, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return torch.addcmul(heads * cos, heads.roll(self.cfg.head_dim // 2, -1), sin)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         h = self._rms_norm(x, layer.post_norm)
         gate, up = layer.gate_up(h).split(self.cfg.intermediate_size, -1)
         return x + layer.down(F.silu(gate) * up)
 
-    def _project(
-        self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention inputs for rows ``x``: RoPE'd ``[N, heads+kv_heads, head_dim]`` and ``v``."""
-        cfg = self.cfg
+    def _project(self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Attention inputs for rows ``x``: ``[N, heads + 2 * kv_heads, head_dim]``, queries and keys RoPE'd, then values."""
         h = self._rms_norm(x, layer.input_norm)
-        qkv = layer.qkv(h)
-        qk = self._normalize_qk(layer, qkv[:, : self._qk_heads * cfg.head_dim].view(-1, self._qk_heads, cfg.head_dim))
-        v = qkv[:, self._qk_heads * cfg.head_dim :].view(-1, cfg.num_kv_heads, cfg.head_dim)
-        return self._rope(qk, cos, sin), v
+        heads = layer.qkv(h).view(-1, self._heads, self.cfg.head_dim)
+        return self._rope(self._normalize_qk(layer, heads), cos, sin)
 
     @torch.inference_mode()
     def prefill(self, token_ids: torch.Tensor, cache: KVCache, slot: int) -> torch.Tensor:
         """Run a whole prompt from position 0 into ``slot``; returns final hidden states ``[L, hidden]``."""
+        return self.prefill_batch(token_ids, [token_ids.shape[0]], [slot], cache)
+
+    @torch.inference_mode()
+    def prefill_batch(
+        self, token_ids: torch.Tensor, lengths: Sequence[int], slots: Sequence[int], cache: KVCache
+    ) -> torch.Tensor:
+        """Run whole prompts, concatenated in ``token_ids``, each from position 0 into its slot.
+
+        Everything but attention runs over the rows of all prompts at once, so each weight is
+        read once per layer for the batch instead of once per prompt; attention is causal over
+        each prompt's own rows. Returns final hidden states ``[sum(lengths), hidden]``, the
+        prompts' rows in order. In the batch-invariant mode a prompt gets the bits it gets
+        alone: the fixed-row linears give a row the same bits wherever it sits in a call, and
+        every other op computes each row (attention: each prompt) on its own.
+        """
         cfg = self.cfg
-        n = token_ids.shape[0]
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        row_slots = torch.tensor(slots).repeat_interleave(torch.tensor(lengths))
+        flat_rows = cache.flat_rows(row_slots, positions)
+        cos, sin = self._rope_tables(positions)
         x = F.embedding(token_ids, self.embed)
-        cos, sin = self._cos[:n, None], self._sin[:n, None]
         for i, layer in enumerate(self.layers):
-            qk, v = self._project(layer, x, cos, sin)
-            k = qk[:, cfg.num_heads :]
-            cache.keys[i, slot, :, :n] = k.transpose(0, 1)
-            cache.values[i, slot, :, :n] = v.transpose(0, 1)
+            heads = self._project(layer, x, cos, sin)
+            cache.store(i, flat_rows, heads[:, cfg.num_heads :])
+            x = x + layer.o(self._prompt_attention(heads, lengths))
+            x = self._mlp(layer, x)
+        return self._rms_norm(x, self.norm)
+
+    def _prompt_attention(self, heads: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+        """Causal attention of each prompt over its own rows of ``heads``: ``[rows, heads * head_dim]``."""
+        cfg = self.cfg
+        outs = []
+        for rows in heads.split(list(lengths)):
+            q, k, v = rows.split([cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], 1)
             # 4-D inputs: with 3-D ones SDPA falls back from its flash kernel to the (3x slower) math path.
             attn = F.scaled_dot_product_attention(
-                qk[None, :, : cfg.num_heads].transpose(1, 2),
+                q[None].transpose(1, 2),
                 k[None].transpose(1, 2),
                 v[None].transpose(1, 2),
                 is_causal=True,
                 enable_gqa=True,
             )[0]
-            x = x + layer.o(attn.transpose(0, 1).reshape(n, self._q_width))
-            x = self._mlp(layer, x)
-        return self._rms_norm(x, self.norm)
+            outs.append(attn.transpose(0, 1).reshape(rows.shape[0], self._q_width))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -327,29 +365,28 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:
         cfg = self.cfg
         b = token_ids.shape[0]
-        slots = torch.arange(first_slot, first_slot + b)
         longest = int(positions.max()) + 1
         span = min(-(-longest // ATTENTION_SPAN_ALIGN) * ATTENTION_SPAN_ALIGN, cache.max_len)
-        flat_rows = cache.flat_rows(slots, positions)
+        flat_rows = cache.flat_rows(torch.arange(first_slot, first_slot + b), positions)
         # Additive mask over the padded key span: each row sees its own positions only.
-        mask = torch.zeros(b, 1, span, 1).masked_fill_(
-            (torch.arange(span)[None, :] > positions[:, None])[:, None, :, None], float("-inf")
+        mask = torch.zeros(b, 1, 1, span).masked_fill_(
+            (torch.arange(span)[None, :] > positions[:, None])[:, None, None, :], float("-inf")
         )
-        cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
-        group = cfg.num_heads // cfg.num_kv_heads
+        cos, sin = self._rope_tables(positions)
         x = F.embedding(token_ids, self.embed)
         for i, layer in enumerate(self.layers):
-            qk, v = self._project(layer, x, cos, sin)
-            cache.store(i, flat_rows, qk[:, cfg.num_heads :], v)
-            keys = cache.keys[i, first_slot : first_slot + b, :, :span]
-            values = cache.values[i, first_slot : first_slot + b, :, :span]
-            # A contiguous q keeps float32 (MKL) batched matmuls row-invariant; strided, a lone
-            # row took a different path than a batch.
-            q = qk[:, : cfg.num_heads].reshape(b, cfg.num_kv_heads, group, cfg.head_dim).contiguous()
-            # keys @ q^T reads the strided cache view in place; q @ keys^T would copy it.
-            scores = torch.add(mask, torch.matmul(keys, q.transpose(-1, -2)).float(), alpha=self._scale)
-            attn = torch.matmul(torch.softmax(scores, -2).to(self.dtype).transpose(-1, -2), values)
-            x = x + layer.o(attn.view(b, self._q_width))
+            heads = self._project(layer, x, cos, sin)
+            cache.store(i, flat_rows, heads[:, cfg.num_heads :])
+            # SDPA's flash kernel reads the strided cache views in place; a bfloat16 torch.matmul
+            # copied both (oneDNN takes only contiguous batches), a third of a batch-8 step.
+            attn = F.scaled_dot_product_attention(
+                heads[:, : cfg.num_heads, None],
+                cache.keys[i, first_slot : first_slot + b, :, :span],
+                cache.values[i, first_slot : first_slot + b, :, :span],
+                attn_mask=mask,
+                enable_gqa=True,
+            )
+            x = x + layer.o(attn.reshape(b, self._q_width))
             x = self._mlp(layer, x)
         return self._rms_norm(x, self.norm)
 

@@ -15,6 +15,6 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         "self_attn.k_norm.weight": "k_norm",
     }
 
-    def _normalize_qk(self, layer: LayerWeights, qk: torch.Tensor) -> torch.Tensor:
-        heads = self.cfg.num_heads
-        return torch.cat([self._rms_norm(qk[:, :heads], layer.q_norm), self._rms_norm(qk[:, heads:], layer.k_norm)], 1)
+    def _normalize_qk(self, layer: LayerWeights, heads: torch.Tensor) -> torch.Tensor:
+        q, k, v = heads.split([self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.num_kv_heads], 1)
+        return torch.cat([self._rms_norm(q, layer.q_norm), self._rms_norm(k, layer.k_norm), v], 1)

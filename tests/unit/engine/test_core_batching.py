@@ -1,4 +1,5 @@
-"""The hot path of one engine step: one ZMQ message per client, dispatched to its iterators in one pass.
+"""The hot path of one engine step: one ZMQ message per client, dispatched to its iterators in one pass,
+and requests admitted in one step prefilled in one batch.
 
 The core's turn runs the real torch step loop (qwen3-tiny); only the socket is a recording double,
 so the test counts exactly what the core would put on the wire.
@@ -10,6 +11,7 @@ import asyncio
 from typing import Any
 
 import msgspec
+import msgspec.structs
 import pytest
 
 from pdserve.engine.channels import OutputChannels
@@ -87,3 +89,59 @@ def test_a_step_batch_reaches_every_iterator_in_one_dispatch() -> None:
 
     got = asyncio.run(go())
     assert {rid: [o.new_token_ids for o in outs] for rid, outs in got.items()} == {f"r{i}": [[7]] for i in range(5)}
+
+
+def _admitted_together() -> list[EngineRequest]:
+    """Requests of every kind a batched prefill must keep apart (7 sequences, 6 computed at first)."""
+
+    def make(rid: str, prompt: list[int], **sampling: Any) -> EngineRequest:
+        return EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling=SequenceSampling(**sampling))
+
+    return [
+        make("pair", PROMPT, n=2, max_tokens=6, temperature=0.8, seed=3, logprobs=2),
+        make("prompt-logprobs", [151644, 872, 198, *PROMPT], max_tokens=5, temperature=0, prompt_logprobs=3),
+        make("one-token", [872], max_tokens=1, temperature=0),  # retires in the prefill step: its slot moves
+        make("dropped", PROMPT[2:], n=2, max_tokens=4, temperature=0, logprobs=1),  # index 0 stopped while waiting
+        make("long", list(range(300, 340)), max_tokens=7, temperature=0),
+    ]
+
+
+def _run(steps: StepLoop, requests: list[EngineRequest]) -> list[EngineOutput]:
+    """Every output of ``requests`` added at once and run to the end (scheduled_at cleared)."""
+    for r in requests:
+        steps.add(r)
+    steps.stop_sequence("dropped", 0)
+    outputs: list[EngineOutput] = []
+    while steps.has_work():
+        steps.step()
+        outputs += [msgspec.structs.replace(o, scheduled_at=None) for o in steps.take_outputs().outputs]
+    return outputs
+
+
+@pytest.mark.parametrize(("dtype", "batch_invariant"), [("bfloat16", True), ("float32", False)])
+def test_requests_admitted_together_prefill_in_one_batch_and_give_what_they_give_alone(
+    dtype: str, batch_invariant: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """n=2 (its slot copied), prompt_logprobs, a one-token prompt that finishes at once, a sequence
+    stopped while waiting: the same tokens, logprobs and prompt logprobs as each request alone."""
+    steps = TorchSetup.create(
+        "qwen3-tiny", dtype=dtype, max_model_len=128, max_num_seqs=8, batch_invariant=batch_invariant
+    ).load()
+    batches: list[list[int]] = []
+    prefill_batch = steps.model.prefill_batch
+
+    def recording(token_ids: Any, lengths: list[int], slots: list[int], cache: Any) -> Any:
+        batches.append(list(lengths))
+        return prefill_batch(token_ids, lengths, slots, cache)
+
+    monkeypatch.setattr(steps.model, "prefill_batch", recording)
+    requests = _admitted_together()
+    together = _run(steps, requests)
+    assert batches == [[len(r.prompt_token_ids) for r in requests]], "one forward pass for all five prompts"
+    assert steps.stats().prompt_tokens_computed == sum(len(r.prompt_token_ids) for r in requests)
+    for r in requests:
+        assert [o for o in together if o.request_id == r.request_id] == _run(steps, [r]), r.request_id
+    plp = next(o.prompt_logprobs for o in together if o.request_id == "prompt-logprobs" and o.prompt_logprobs)
+    assert len(plp) == len(requests[1].prompt_token_ids)
+    assert {o.index for o in together if o.request_id == "dropped"} == {1}
+    assert {o.index for o in together if o.request_id == "pair"} == {0, 1}
