@@ -73,10 +73,11 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=48)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--concurrency", default="1,8")
-    parser.add_argument("--modes", default="tokens", help="generate output modes (vLLM 0.32's generate: tokens)")
+    parser.add_argument("--modes", default="tokens", help="generate output modes, comma-separated; vLLM 0.32's generate serves tokens and text, and its "
+                             "derender arm is skipped (bench serve's preflight says why)")
     parser.add_argument("--pdserve-port", type=int, default=18810)
     parser.add_argument("--vllm-port", type=int, default=18811)
-    parser.add_argument("--no-vllm", action="store_true", help="pdserve alone, pinned the same way (other modes)")
+    parser.add_argument("--no-vllm", action="store_true", help="pdserve alone, pinned the same way")
     parser.add_argument("--model", default=None,
                         help="a HF model dir both servers load (default: qwen3-tiny with head_dim 32, built here); "
                              "e.g. ~/.cache/pdserve/models/smollm2-135m for the engines at a real model's pace")

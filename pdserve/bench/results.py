@@ -13,13 +13,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pdserve.bench.loadgen import Arm
+from pdserve.bench.preflight import SkippedArm
 from pdserve.bench.report import fmt, machine, markdown_table
 from pdserve.bench.sweep import Cell, Load, Schedule, cell_summary
 
 
 def result_json(arms: Sequence[Arm], loads: Sequence[Load], schedule: Schedule, cells: Mapping[tuple[Load, str], Cell],
-                slo: dict[str, float] | None, metered: bool, command: str) -> dict[str, Any]:
-    """Everything a run measured, ready for ``json.dump`` (NaN stays NaN: nothing measured)."""
+                slo: dict[str, float] | None, metered: bool, command: str,
+                skipped: Sequence[SkippedArm] = ()) -> dict[str, Any]:
+    """Everything a run measured, ready for ``json.dump`` (NaN stays NaN: nothing measured); ``skipped``:
+    the arms a server did not serve (bench.preflight), with why."""
     by_label = {a.label: a for a in arms}
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -28,6 +31,7 @@ def result_json(arms: Sequence[Arm], loads: Sequence[Load], schedule: Schedule, 
         "schedule": asdict(schedule),
         "slo_ms": slo or {},
         "arms": [asdict(a) for a in arms],
+        "skipped_arms": [asdict(s) for s in skipped],
         "cells": [
             {"label": label, "max_concurrency": load.concurrency,
              "request_rate": None if math.isinf(load.request_rate) else load.request_rate,

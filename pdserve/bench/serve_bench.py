@@ -26,6 +26,7 @@ import httpx
 from pdserve.bench import workload
 from pdserve.bench.loadgen import ENDPOINTS, MODES, Arm, Prompt
 from pdserve.bench.metrics import parse_slo
+from pdserve.bench.preflight import servable_arms
 from pdserve.bench.results import result_json, results_table
 from pdserve.bench.servers import BenchError
 from pdserve.bench.sweep import Load, Schedule, run_schedule
@@ -289,8 +290,14 @@ def measure(args: argparse.Namespace, command: str, arms: Sequence[Arm] | None =
                         timeout_s=args.request_timeout_s)
     if prompts is None:
         prompts = build_prompts(args, (args.render_url or arms[0].base_url).rstrip("/"))
+    urls = server_urls(arms)  # before any arm is dropped: --server-pid follows every server named
+    with httpx.Client(timeout=args.request_timeout_s) as client:
+        arms, skipped = servable_arms(arms, prompts[0], client)
+    for skip in skipped:
+        print(f"skipped arm {skip.label!r}: {skip.reason}", file=sys.stderr)
+    if not arms:
+        raise BenchError("no arm is served: " + "; ".join(f"{s.label}: {s.reason}" for s in skipped))
     meter = None
-    urls = server_urls(arms)
     if not args.no_server_cpu:
         if not all(urlsplit(u).hostname in LOOPBACK for u in urls):
             raise BenchError("server CPU is read on this host only: pass --no-server-cpu for remote servers")
@@ -299,7 +306,7 @@ def measure(args: argparse.Namespace, command: str, arms: Sequence[Arm] | None =
         meter = meter_for(urls, args.server_pid)
     cells = asyncio.run(run_schedule(arms, loads, prompts, schedule, meter, progress=not args.disable_tqdm))
     slo = _slo(args)
-    return result_json(arms, loads, schedule, cells, slo, meter is not None, command)
+    return result_json(arms, loads, schedule, cells, slo, meter is not None, command, skipped)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,6 +13,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -103,3 +104,26 @@ def test_an_unreachable_server_fails_the_run_with_a_message() -> None:
                            "1", "--disable-tqdm"], check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert f"FAILED: render at {url} failed" in done.stderr
+
+
+def test_an_arm_whose_mode_a_server_refuses_is_skipped_not_mislabelled(tmp_path: Path) -> None:
+    script = tmp_path / "script.jsonl"
+    script.write_text(json.dumps({"text": "one two three four five six"}) + "\n")
+    base = ("serve", "--engine", "scripted", "--tokenizer", "qwen3", "--script", str(script), "--step-ms", "1")
+    with ServerProcess(*base) as full, ServerProcess(*base, "--tokens-only") as tokens_only:
+        result_file = tmp_path / "result.json"
+        cmd = [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", full.url,
+               "--base-url", tokens_only.url, "--output-mode", "tokens,text", "--num-prompts", "2",
+               "--random-input-len", "8", "--random-output-len", "4", "--idle-window-s", "0.1",
+               "--result-filename", str(result_file), "--disable-tqdm"]
+        done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    full_at, tokens_only_at = (urlsplit(u).netloc for u in (full.url, tokens_only.url))
+    result = json.loads(result_file.read_text())
+    assert sorted(c["label"] for c in result["cells"]) == sorted(
+        [f"tokens @ {full_at}", f"text @ {full_at}", f"tokens @ {tokens_only_at}"])
+    assert all(c["completed"] == 2 and c["failed"] == 0 for c in result["cells"])
+    [skipped] = result["skipped_arms"]
+    assert skipped["label"] == f"text @ {tokens_only_at}"
+    assert "answered 400 to output_mode='text'" in skipped["reason"] and "tokens-only" in skipped["reason"]
+    assert f"skipped arm 'text @ {tokens_only_at}'" in done.stderr

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -250,3 +251,27 @@ def test_compatibility_table_is_what_the_kit_finds(vllm: VllmPeer, pd: ServerPro
     found_pd, found_vllm = kit(pd), kit(vllm)
     assert {rule: s[0] for rule, s in table.items()} == found_pd
     assert {rule: s[1] for rule, s in table.items()} == found_vllm
+
+
+# -- bench ----------------------------------------------------------------------------------------------
+
+
+def test_bench_serve_measures_the_modes_vllm_serves_and_skips_the_others(
+    vllm: VllmPeer, pd: ServerProcess, tmp_path: Path
+) -> None:
+    """vLLM 0.32's generate serves ``tokens`` and ``text``, not ``derender``: that arm is skipped, with why."""
+    result_file = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", pd.url, "--base-url", vllm.url,
+           "--output-mode", "tokens,text,derender", "--num-prompts", "2", "--random-input-len", "8",
+           "--random-output-len", "4", "--idle-window-s", "0.1", "--no-server-cpu",
+           "--result-filename", str(result_file), "--disable-tqdm"]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(result_file.read_text())
+    pd_at, vllm_at = (urlsplit(u).netloc for u in (pd.url, vllm.url))
+    assert sorted(c["label"] for c in result["cells"]) == sorted(
+        [f"{mode} @ {pd_at}" for mode in ("tokens", "text", "derender")] + [f"tokens @ {vllm_at}", f"text @ {vllm_at}"])
+    assert all(c["completed"] == 2 for c in result["cells"])
+    [skipped] = result["skipped_arms"]
+    assert skipped["label"] == f"derender @ {vllm_at}"
+    assert re.search(r"answered 4\d\d to output_mode='derender'", skipped["reason"]), skipped["reason"]
