@@ -84,6 +84,12 @@ class Window:
     client_s: float
 
 
+# A server whose CPU rate is within this much of its idle rate (CPU seconds per second: 15% of a core) is
+# quiet. /proc counts in 10 ms ticks, so a 0.2 s step cannot tell much less; a busy-waiting worker uses a
+# whole core.
+QUIET_CPU = 0.15
+
+
 @dataclass
 class CpuMeter:
     """Reads every server and this client together; knows each role's idle rate."""
@@ -106,16 +112,43 @@ class CpuMeter:
         }
         return Window(wall, servers, c1 - c0)
 
-    def measure_idle(self, seconds: float) -> None:
-        """Each role's background rate while no request runs (call before the first request)."""
+    def measure_idle(self, seconds: float, max_windows: int = 10) -> None:
+        """Each role's background rate while no request runs (call before the first request).
+
+        Windows of ``seconds`` follow each other until a server's rate stops falling: some servers
+        busy-wait for a while after their last request (vLLM-CPU's worker polls its shared-memory
+        queue for about a second), and that is part of a request's cost, not background. Each role's
+        rate is its lowest over the windows."""
         if not self.servers or seconds <= 0:
             return
         self.idle_rate = {}
-        before = self.snapshot()
-        time.sleep(seconds)
-        window = self.since(before)
-        self.idle_rate = {name: {role: v / window.wall_s for role, v in roles.items()}
-                          for name, roles in window.servers.items()}
+        lowest: dict[str, dict[str, float]] = {}
+        for _ in range(max_windows):
+            before = self.snapshot()
+            time.sleep(seconds)
+            window = self.since(before)
+            rates = {name: {role: v / window.wall_s for role, v in roles.items()}
+                     for name, roles in window.servers.items()}
+            # Settled: no server's rate fell by more than noise since the lowest before it.
+            settled = bool(lowest) and all(sum(rates[n].values()) >= sum(lowest[n].values()) - QUIET_CPU
+                                           for n in rates)
+            lowest = {n: {r: min(v, lowest.get(n, {}).get(r, v)) for r, v in roles.items()}
+                      for n, roles in rates.items()}
+            if settled:
+                break
+        self.idle_rate = lowest
+
+    def settle(self, max_s: float = 5.0, step_s: float = 0.2) -> None:
+        """Wait until every server is back at its idle rate (at most ``max_s``), so that what a server
+        spends after an arm's last answer (a busy-wait, a deferred free) is charged to that arm and does
+        not run into the next one."""
+        deadline = time.perf_counter() + max_s
+        while time.perf_counter() < deadline:
+            before = self.snapshot()
+            time.sleep(step_s)
+            window = self.since(before)  # above the idle rate only
+            if all(sum(roles.values()) / window.wall_s <= QUIET_CPU for roles in window.servers.values()):
+                return
 
 
 def meter_for(urls: Sequence[str], pids: Sequence[int] | None) -> CpuMeter:

