@@ -9,7 +9,8 @@ KV cache is preallocated.
 Batch invariance (a sequence decodes to the same tokens whatever else shares its batch)
 needs every op to compute a row with shapes that do not depend on the other rows. Decode
 attention does: SDPA's flash kernel computes each (row, head) on its own, and keys past each
-row's length are masked, which adds exact zeros only (also across its 512-key blocks). The
+row's length are masked, which adds exact zeros only (also across its 512-key blocks); in
+float32 that needs MKL's reproducible mode (:mod:`~pdserve.engine.models.mkl_mode`). The
 linears do only in the batch-invariant mode (``batch_invariant=True``): oneDNN chooses its
 matmul kernel by the number of rows (on CPUs with AMX, up to ~32 rows run an AVX-512 kernel
 and more rows the AMX tiles, which round differently), so by default a row's bits may change
@@ -28,6 +29,10 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.engine.models.mkl_mode import pin_mkl_code_path
+
+pin_mkl_code_path()  # before any torch op of the process: MKL reads its mode at its first call
 
 # Decode attention runs over a key span rounded up to this many positions, so its kernels
 # see a new shape at most every this many steps (oneDNN compiles a kernel per matmul shape).

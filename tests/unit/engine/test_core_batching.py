@@ -19,7 +19,7 @@ from pdserve.engine.core import CoreServer
 from pdserve.engine.messages import AddRequest, CoreMessage, Hello, Ready, StepOutputs
 from pdserve.engine.runners.torch_runner import TorchSetup
 from pdserve.engine.step_loop import StepLoop
-from pdserve.protocol.engine import EngineOutput, EngineRequest, SequenceSampling
+from pdserve.protocol.engine import EngineOutput, EngineRequest, PositionLogprobs, SequenceSampling
 
 PROMPT = [9707, 11, 1879, 0, 151644, 872, 198]
 
@@ -118,6 +118,28 @@ def _run(steps: StepLoop, requests: list[EngineRequest]) -> list[EngineOutput]:
     return outputs
 
 
+def _logprob_values(outputs: list[EngineOutput]) -> tuple[list[EngineOutput], list[float]]:
+    """``outputs`` with every logprob value taken out (set to 0.0), and those values in order: the
+    first must stay equal when a kernel rounds a float32 row a bit differently, the second close."""
+    values: list[float] = []
+
+    def zeroed(position: PositionLogprobs | None) -> PositionLogprobs | None:
+        if position is None:
+            return None
+        values.extend(position.logprobs)
+        return msgspec.structs.replace(position, logprobs=[0.0] * len(position.logprobs))
+
+    stripped = [
+        msgspec.structs.replace(
+            o,
+            new_logprobs=None if o.new_logprobs is None else [zeroed(p) for p in o.new_logprobs],
+            prompt_logprobs=None if o.prompt_logprobs is None else [zeroed(p) for p in o.prompt_logprobs],
+        )
+        for o in outputs
+    ]
+    return stripped, values
+
+
 @pytest.mark.parametrize(("dtype", "batch_invariant"), [("bfloat16", True), ("float32", False)])
 def test_requests_admitted_together_prefill_in_one_batch_and_give_what_they_give_alone(
     dtype: str, batch_invariant: bool, monkeypatch: pytest.MonkeyPatch
@@ -140,7 +162,13 @@ def test_requests_admitted_together_prefill_in_one_batch_and_give_what_they_give
     assert batches == [[len(r.prompt_token_ids) for r in requests]], "one forward pass for all five prompts"
     assert steps.stats().prompt_tokens_computed == sum(len(r.prompt_token_ids) for r in requests)
     for r in requests:
-        assert [o for o in together if o.request_id == r.request_id] == _run(steps, [r]), r.request_id
+        batched, alone = [o for o in together if o.request_id == r.request_id], _run(steps, [r])
+        if batch_invariant:
+            assert batched == alone, r.request_id
+        else:  # the default kernels may round a row differently in another batch (docs/engine.md)
+            (batched_rest, batched_values), (alone_rest, alone_values) = map(_logprob_values, (batched, alone))
+            assert batched_rest == alone_rest, r.request_id
+            assert batched_values == pytest.approx(alone_values, rel=1e-5, abs=1e-5), r.request_id
     plp = next(o.prompt_logprobs for o in together if o.request_id == "prompt-logprobs" and o.prompt_logprobs)
     assert len(plp) == len(requests[1].prompt_token_ids)
     assert {o.index for o in together if o.request_id == "dropped"} == {1}
