@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from pdserve.engine.sampler import (
     RawLogprobs,
     SequenceState,
+    draw,
+    largest_k,
     process_logits,
     request_rules,
     sample,
@@ -133,6 +135,44 @@ def test_ranks_count_every_id_above_the_token_wherever_it_ranks(rows: list[list[
         logprobs = torch.log_softmax(logits[i], -1)
         assert position is not None and position.ranks[0] == 1 + int((logprobs > logprobs[tokens[i]]).sum())
         assert position.token_ids[0] == tokens[i] and len(position.token_ids) == 1 + (6 if ks[i] == -1 else ks[i])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.integers(1, 3).flatmap(lambda n: st.integers(1, 300).flatmap(lambda width: st.lists(
+        st.lists(st.sampled_from([-INF, -2.0, -0.5, 0.0, 0.25, 1.0, 3.0]) | st.floats(-5, 5, width=32),
+                 min_size=width, max_size=width), min_size=n, max_size=n))),
+    data=st.data(),
+)
+def test_largest_k_through_chunk_maxima_is_torch_topk(rows: list[list[float]], data: st.DataObject) -> None:
+    """The same values bit for bit, largest first, at ids that hold them (ties may pick other ids);
+    chunks of 4 so that short rows take the chunked path, tail and ties included."""
+    values = torch.tensor(rows, dtype=torch.float32)
+    k = data.draw(st.integers(0, values.shape[1]))
+    got, ids = largest_k(values, k, chunk=4)
+    want = torch.topk(values, k)
+    assert torch.equal(got, want.values)
+    assert all(len(set(row)) == len(row) for row in ids.tolist())
+    assert torch.equal(values.gather(1, ids), got)
+    one_row, one_ids = largest_k(values[0], k, chunk=4)
+    assert torch.equal(one_row, got[0]) and torch.equal(values[0][one_ids], got[0])
+
+
+def test_largest_k_of_a_row_with_nan_puts_it_first_as_torch_does() -> None:
+    values = torch.zeros(2, 1000)
+    values[0, 700], values[1, 3] = float("nan"), 5.0
+    got, ids = largest_k(values, 3, chunk=8)
+    assert math.isnan(got[0, 0]) and ids[0, 0] == 700 and got[1, 0] == 5.0 and ids[1, 0] == 3
+
+
+def test_greedy_rows_take_the_first_of_equal_maxima_as_argmax_does() -> None:
+    vocab = 151936
+    logits = torch.randn(4, vocab)
+    for row, spots in enumerate([(5, 9), (150000, 151935), (77, 140000, 3), (0, 1)]):
+        logits[row, list(spots)] = 100.0
+    logits[3, 60000] = float("nan")
+    states = [state([0], [], vocab=vocab) for _ in range(4)]
+    assert draw(logits.clone(), states) == logits.argmax(-1).tolist() == [5, 150000, 3, 60000]
 
 
 def test_top_p_applies_to_what_top_k_kept() -> None:
