@@ -189,9 +189,8 @@ def draw(logits: torch.Tensor, states: list[SequenceState]) -> list[int]:
     greedy = [i for i, s in enumerate(states) if s.generator is None]
     if greedy:
         # max's indices, not argmax: the same first index of the largest value (NaN counted largest), and
-        # a third of argmax's time over 152k ids on CPU. The rows are copied out only when some are not greedy.
-        rows = logits if len(greedy) == len(states) else logits[greedy]
-        for i, token in zip(greedy, rows.max(-1).indices.tolist(), strict=True):
+        # a third of argmax's time over 152k ids on CPU.
+        for i, token in zip(greedy, _rows_of(logits, greedy).max(-1).indices.tolist(), strict=True):
             tokens[i] = token
     for i, state in enumerate(states):
         if state.generator is not None:
@@ -210,6 +209,12 @@ def sample_row(logits: torch.Tensor, sp: SequenceSampling, gen: torch.Generator)
     u = torch.rand((), generator=gen) * cdf[-1]
     pick = min(int(torch.searchsorted(cdf, u, right=True)), cdf.shape[0] - 1)
     return int(ids[pick]) if ids is not None else pick
+
+
+def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]`` for ascending row indices; ``logits`` itself when they are every row, as indexing
+    copies the rows out (0.5 ms for 8 rows of 152k ids)."""
+    return logits if len(rows) == logits.shape[0] else logits[rows]
 
 
 def largest_k(values: torch.Tensor, k: int, chunk: int = TOP_K_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,8 +288,7 @@ class RawLogprobs:
         rows, widths = [i for i, _ in requested], [k for _, k in requested]
         if not rows:
             return cls(len(ks), rows, widths, None)
-        # Indexing copies the rows out (0.5 ms for 8 of 152k ids): not when every row asked.
-        return cls(len(ks), rows, widths, torch.log_softmax(logits if len(rows) == len(ks) else logits[rows], -1))
+        return cls(len(ks), rows, widths, torch.log_softmax(_rows_of(logits, rows), -1))
 
     def gather(self, tokens: list[int]) -> list[PositionLogprobs | None]:
         """Logprob and 1-based rank of each row's token plus the row's top-k (None for rows that asked none)."""
