@@ -36,6 +36,12 @@ up: install
 test: install
 	$(BIN)/python -m pytest tests
 
+# The soak (issue 26; 10-15 minutes on 2 cores): 50,000 mixed requests at concurrency 256, every answer
+# checked, while another process keeps every CPU busy. Outside `make test`; figures in docs/reliability.md.
+.PHONY: soak
+soak: install
+	PDSERVE_SOAK=1 $(BIN)/python -m pytest tests/soak -s -p no:cacheprovider
+
 # The quick benchmark profile (a few minutes on 2 cores): rewrites docs/benchmarks.md and its plots.
 # BENCH_ARGS="--profile full" for the documented full run; BENCH_ARGS='--note "..."' adds a line.
 BENCH_ARGS ?= --quick

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
+from pdserve.protocol.keepalive import CLIENT_KEEP_ALIVE_EXPIRY_S
 from pdserve.protocol.sse import DONE
 from pdserve.proxy.flow import ClientRequestError, Kind, Orchestrator
 from pdserve.proxy.pool import check_pools, health_loop
@@ -205,6 +206,9 @@ def create_app(orch: Orchestrator, health: HealthSettings = HealthSettings(), ap
 
 def make_client(connect_timeout_s: float, read_timeout_s: float) -> httpx.AsyncClient:
     """The one upstream client: bounded connects (a dead member fails fast), long reads (a decode leg
-    may stream for minutes), no pool limit below the servers' own."""
+    may stream for minutes), no pool limit below the servers' own, and idle connections dropped before a
+    member with a 5 s keep-alive (stock vLLM) closes them (pdserve.protocol.keepalive)."""
     timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=30.0, pool=connect_timeout_s)
-    return httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100,
+                          keepalive_expiry=CLIENT_KEEP_ALIVE_EXPIRY_S)
+    return httpx.AsyncClient(timeout=timeout, limits=limits)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.protocol.keepalive import SERVER_KEEP_ALIVE_S
 from pdserve.proxy.modes import MODES
 
 
@@ -38,6 +39,9 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
                    help="bound on connecting to a member (a dead one fails this fast)")
     p.add_argument("--upstream-timeout-s", type=_positive, default=600.0,
                    help="bound on waiting for a member's next bytes")
+    p.add_argument("--timeout-keep-alive", type=_positive, default=SERVER_KEEP_ALIVE_S,
+                   help="seconds an idle client connection stays open (above the clients' idle expiry: "
+                   "httpx and the openai SDK keep 5 s)")
     p.add_argument("--log-level", default="warning")
 
 

@@ -61,6 +61,7 @@ def serve_proxy(args: argparse.Namespace) -> int:
     app = create_app(orch, HealthSettings(args.health_interval_s, args.connect_timeout_s), args.api_key)
     host = f"[{args.host}]" if ":" in args.host else args.host
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop="uvloop",
-                            http="httptools", timeout_graceful_shutdown=5)
+                            http="httptools", timeout_graceful_shutdown=5,
+                            timeout_keep_alive=args.timeout_keep_alive)
     _AnnouncingServer(config, orch, f"http://{host}:{args.port}").run()
     return 0

@@ -74,6 +74,7 @@ def _limits_line(state: AppState) -> str:
         idle = config.stream_idle_timeout_s
         parts.append("idle streams kept" if idle is None else f"idle streams cut after {idle:g} s")
     parts.append(f"shutdown drains {config.shutdown_timeout_s:g} s")
+    parts.append(f"idle connections kept {config.timeout_keep_alive_s:g} s")
     cache = state.derender_cache
     parts.append("derender cache off" if cache is None
                  else f"derender cache {config.derender_cache_entries} states, {config.derender_cache_ttl_s:g} s")

@@ -9,6 +9,7 @@ import uuid
 from importlib import resources
 
 from pdserve.engine.spec import KV_FAILURE_POLICIES, EngineSpec, KVTransferSpec
+from pdserve.protocol.keepalive import SERVER_KEEP_ALIVE_S
 from pdserve.serve.config import (
     DEFAULT_DERENDER_CACHE_ENTRIES,
     DEFAULT_DERENDER_CACHE_TTL_S,
@@ -38,6 +39,11 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         "--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
         help="on SIGTERM: /health and new requests answer 503 at once; requests in flight get this many seconds "
         "to finish, then end with an error naming the shutdown",
+    )
+    p.add_argument(
+        "--timeout-keep-alive", type=float, default=SERVER_KEEP_ALIVE_S,
+        help="seconds an idle keep-alive connection stays open; keep it above your clients' idle expiry "
+        "(httpx and the openai SDK: 5 s), or a request sent as the server closes the connection is lost",
     )
     p.add_argument(
         "--derender-cache-entries", type=int, default=DEFAULT_DERENDER_CACHE_ENTRIES,
@@ -233,10 +239,13 @@ def _common_settings(args: argparse.Namespace) -> dict[str, float | int]:
     """The settings of :func:`_add_server_args` beyond the basics, checked (every role has them)."""
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must be 0 or more")
+    if args.timeout_keep_alive <= 0:
+        raise ValueError("--timeout-keep-alive must be positive")
     if args.derender_cache_entries < 0 or args.derender_cache_ttl <= 0:
         raise ValueError("--derender-cache-entries must be 0 or more and --derender-cache-ttl positive")
     return {
         "shutdown_timeout_s": args.shutdown_timeout,
+        "timeout_keep_alive_s": args.timeout_keep_alive,
         "derender_cache_entries": args.derender_cache_entries,
         "derender_cache_ttl_s": args.derender_cache_ttl,
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.engine.spec import EngineSpec
+from pdserve.protocol.keepalive import SERVER_KEEP_ALIVE_S
 
 # vLLM's default cap on candidates per position (``--max-logprobs``).
 DEFAULT_MAX_LOGPROBS = 20
@@ -44,6 +45,8 @@ class ServerConfig:
     enable_per_request_metrics: bool = False
     # SIGTERM: /health and new requests 503 at once; requests in flight get this long to finish.
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    # An idle keep-alive connection is closed after this long (pdserve.protocol.keepalive says why it is long).
+    timeout_keep_alive_s: float = SERVER_KEEP_ALIVE_S
     # Requests in flight beyond the engine's max_num_seqs that wait for a slot; past it a 503 (None: unbounded).
     max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS
     # A stream whose client has read nothing for this long is aborted (None: never).

@@ -202,7 +202,7 @@ def _serve_app(config: ServerConfig, engine: Engine | None, tokenizer: Tokenizer
     server = _PdserveServer(
         # httptools bounded to MAX_HEADER_BYTES of request head (431 past it; httptools has no limit of its own).
         uvicorn.Config(app, log_level=config.log_level, loop="uvloop", http=BoundedHttpToolsProtocol,
-                       timeout_graceful_shutdown=5),
+                       timeout_graceful_shutdown=5, timeout_keep_alive=config.timeout_keep_alive_s),
         (lambda: ready_banner(app.state.pdserve, url)) if announce else None,
         app.state.pdserve,
     )
