@@ -21,7 +21,7 @@ from tests.waiting import wait_until
 def health(srv: ServerProcess) -> httpx.Response:
     # A fresh connection each time, so SO_REUSEPORT can hand it to either frontend.
     with httpx.Client() as client:
-        return client.get(srv.url + "/health", timeout=5)
+        return client.get(srv.url + "/health", timeout=60)
 
 
 def wait_for_both_frontends(srv: ServerProcess, status: int, what: str) -> None:
@@ -47,7 +47,7 @@ def one_connection_per_frontend(srv: ServerProcess) -> Iterator[dict[str, httpx.
     connections: dict[str, httpx.Client] = {}
 
     def both_reached() -> bool:
-        client = httpx.Client(timeout=10)
+        client = httpx.Client(timeout=60)
         pid = client.get(srv.url + "/health").headers["x-pdserve-pid"]
         if pid in connections:
             client.close()
@@ -80,7 +80,7 @@ def test_both_frontends_answer_against_one_core(two_frontends) -> None:  # type:
         assert r.status_code == 200
         frontends.add(r.headers["x-pdserve-pid"])
         cores.add(r.headers["x-pdserve-core-pid"])
-        with httpx.Client() as client:
+        with httpx.Client(timeout=60) as client:
             g = client.post(srv.url + "/inference/v1/generate", json={
                 "token_ids": PROMPT, "output_mode": "text", "sampling_params": {"max_tokens": 3}})
         assert g.status_code == 200 and g.json()["choices"][0]["text"]
@@ -122,7 +122,7 @@ def test_core_death_gives_clean_errors(two_frontends) -> None:  # type: ignore[n
 
     def stream() -> None:
         with httpx.Client() as client, client.stream("POST", srv.url + "/inference/v1/generate", json=body,
-                                                      timeout=30) as r:
+                                                      timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(line)
@@ -140,5 +140,5 @@ def test_core_death_gives_clean_errors(two_frontends) -> None:  # type: ignore[n
     wait_for_both_frontends(srv, 503, "both frontends report the dead engine")
     with httpx.Client() as client:
         r = client.post(srv.url + "/inference/v1/generate",
-                        json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}, timeout=10)
+                        json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}, timeout=60)
     assert r.status_code == 503 and "engine" in r.json()["error"]["message"]

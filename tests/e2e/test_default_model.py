@@ -24,7 +24,7 @@ def test_chat_answers_paris(server) -> None:  # type: ignore[no-untyped-def]
     body = r.json()
     assert body["model"] == "smollm2-135m"
     assert "Paris" in body["choices"][0]["message"]["content"]
-    assert "x-pdserve-core-pid" in httpx.get(server.url + "/health").headers
+    assert "x-pdserve-core-pid" in httpx.get(server.url + "/health", timeout=60).headers
 
 
 @pytest.mark.slow

@@ -79,7 +79,8 @@ def test_abort_final_chunk(server, mode: str) -> None:  # type: ignore[no-untype
     body = {**req(mode, 0, ignore_eos=True, max_tokens=5000, stop=[stop]), "request_id": rid}
 
     def abort() -> None:
-        r = httpx.post(server.url + "/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-" + rid]})
+        r = httpx.post(server.url + "/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-" + rid]},
+                      timeout=60)
         assert r.status_code == 200
 
     events, done = stream_and_abort(server.url + "/inference/v1/generate", body, 4, abort)

@@ -189,7 +189,7 @@ def test_abort_mid_stream_gives_final_chunk(slow_server, tok) -> None:  # type: 
     req = {**body(ignore_eos=True, max_tokens=2000, stop=[stop]), "stream": True, "request_id": rid}
 
     def abort() -> None:
-        a = httpx.post(slow_server.url + "/abort_requests", json={"request_ids": ["generate-tokens-" + rid]})
+        a = httpx.post(slow_server.url + "/abort_requests", json={"request_ids": ["generate-tokens-" + rid]}, timeout=60)
         assert a.status_code == 200 and a.text == ""
 
     events, done = stream_and_abort(slow_server.url + "/inference/v1/generate", req, 3, abort)
@@ -223,7 +223,7 @@ def counted(status: int) -> str:
 def test_client_disconnect_frees_engine(slow_server) -> None:  # type: ignore[no-untyped-def]
     req = {**body(ignore_eos=True, max_tokens=2000), "stream": True}
     left_before = slow_server.metric(counted(499), missing=0)
-    with httpx.stream("POST", slow_server.url + "/inference/v1/generate", json=req, timeout=30) as r:
+    with httpx.stream("POST", slow_server.url + "/inference/v1/generate", json=req, timeout=60) as r:
         lines = r.iter_lines()  # keep the iterator: dropping it closes the connection
         for line in lines:
             if line.startswith("data: {"):
@@ -251,9 +251,10 @@ def test_inference_abort_route_non_stream(slow_server) -> None:  # type: ignore[
     t.start()
     # Abort once the engine has produced some of the answer (a batch request counts its tokens as they come).
     wait_until(lambda: slow_server.metric("pdserve_generation_tokens_total") > tokens_before, "a token was generated")
-    r = httpx.post(slow_server.url + "/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-" + rid]})
+    r = httpx.post(slow_server.url + "/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-" + rid]},
+                   timeout=60)
     assert r.status_code == 200
-    t.join(30)
+    t.join(60)
     assert not t.is_alive() and "res" in result, "the aborted request got its response"
     choice = result["res"]["choices"][0]
     assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < 2000
@@ -276,7 +277,7 @@ def test_engine_error_mid_stream(tmp_path) -> None:  # type: ignore[no-untyped-d
     with ServerProcess("serve", "--engine", "scripted", "--tokenizer", "qwen3", "--script", str(script)) as srv:
         events, done = stream_post(srv.url + "/inference/v1/generate", {**body(), "stream": True})
         assert done and "error" in events[-1] and "scripted failure" in events[-1]["error"]["message"]
-        r = httpx.post(srv.url + "/inference/v1/generate", json=body(), timeout=10)
+        r = httpx.post(srv.url + "/inference/v1/generate", json=body(), timeout=60)
         assert r.status_code == 500 and "scripted failure" in r.json()["error"]["message"]
         wait_metric(srv, "pdserve_running_requests", 0)
 

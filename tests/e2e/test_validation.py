@@ -125,7 +125,7 @@ def test_api_key_guards_all_but_health(tokens_only) -> None:  # type: ignore[no-
     ok = httpx.post(url + "/abort_requests", json={"request_ids": ["x"]}, headers=tokens_only.headers)
     assert ok.status_code == 200
     r = httpx.post(url + "/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 3}},
-                   headers=tokens_only.headers)
+                   headers=tokens_only.headers, timeout=60)
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3
 
 

@@ -12,23 +12,28 @@ from pdserve.bench.cpu import CpuMeter, ServerCpu, listeners, server_root
 from pdserve.bench.servers import BenchError, free_port
 
 # A "server": the parent listens on PORT and starts a child that, once the file GO exists (the test
-# creates it after its first snapshot), burns 0.6 s of CPU; then both wait.
+# creates it after its first snapshot), burns 0.6 s of CPU ("cpu": process time, however long that takes on a
+# loaded host) or busy-waits 0.6 s of wall time ("wall": what a polling worker does, a core's worth only on
+# a quiet host); then both wait.
 SERVER = """
 import socket, subprocess, sys, time
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen()
+clock = "time.process_time" if sys.argv[3] == "cpu" else "time.monotonic"
 child = subprocess.Popen([sys.executable, "-c", "import os, sys, time\\n"
-                          "while not os.path.exists(sys.argv[1]): time.sleep(0.01)\\nt = time.process_time()\\n"
-                          "while time.process_time() - t < 0.6: pass\\ntime.sleep(60)", sys.argv[2]])
+                          "while not os.path.exists(sys.argv[1]): time.sleep(0.01)\\nt = " + clock + "()\\n"
+                          "while " + clock + "() - t < 0.6: pass\\ntime.sleep(60)", sys.argv[2]])
 print(child.pid, flush=True)
 time.sleep(60)
 """
 
 
 @pytest.fixture()
-def fake_server(tmp_path):  # type: ignore[no-untyped-def]
+def fake_server(tmp_path, request):  # type: ignore[no-untyped-def]
     port, go = free_port(), tmp_path / "go"
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port), str(go)], stdout=subprocess.PIPE, text=True)
+    burn = getattr(request, "param", "cpu")
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port), str(go), burn], stdout=subprocess.PIPE,
+                            text=True)
     try:
         child = int(proc.stdout.readline())  # type: ignore[union-attr]
         yield proc.pid, child, port, go
@@ -65,8 +70,11 @@ def test_nothing_listening_is_a_clear_error() -> None:
         server_root(f"http://127.0.0.1:{free_port()}")
 
 
+@pytest.mark.parametrize("fake_server", ["wall"], indirect=True)
 def test_a_busy_wait_after_requests_is_not_taken_for_background(fake_server) -> None:  # type: ignore[no-untyped-def]
-    # What vLLM-CPU's worker does after its last request: a second or so of a busy core, then quiet.
+    # What vLLM-CPU's worker does after its last request: a second or so of a busy core, then quiet. A wall-time
+    # busy-wait, as that worker's: 0.6 s of CPU time spread over a loaded host's longer wall time looked like a
+    # steady background rate (windows of equal rate count as settled) and failed this on 2 busy cores.
     root, _, port, go = fake_server
     meter = CpuMeter({"s": ServerCpu(root, port)})
     go.touch()  # the child burns 0.6 s of CPU from now on
