@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
 import time
-from pathlib import Path
 
 import httpx
+import psutil
 
+from pdserve.bench.cpu import listeners
 from pdserve.bench.servers import BenchError, free_port
 from pdserve.bench.servers import ServerProcess as _Launcher
 
@@ -17,58 +17,6 @@ from pdserve.bench.servers import ServerProcess as _Launcher
 # a NIXL/UCX or ZMQ socket, an outgoing connection) may take it. A start that lost its port is retried
 # on a fresh one; losing it three times in a row would mean something else is wrong.
 PORT_ATTEMPTS = 3
-
-
-def _listening_inodes(port: int) -> set[str]:
-    """Inodes of the IPv4/IPv6 TCP sockets that listen on ``port`` (from /proc/net)."""
-    inodes: set[str] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            # local_address is HEX_IP:HEX_PORT; state 0A is LISTEN; the inode is the 10th field.
-            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(fields[9])
-    return inodes
-
-
-def _tree(root: int) -> list[int]:
-    """``root`` and its descendants (``--api-server-count N``: the frontends listen, not the parent)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += children.get(pid, [])
-    return tree
-
-
-def _holds_socket(root: int, inodes: set[str]) -> bool:
-    """Whether ``root`` or one of its descendants has one of the sockets ``inodes`` open."""
-    for pid in _tree(root):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:[") and target[8:-1] in inodes:
-                return True
-    return False
 
 
 class ServerProcess(_Launcher):
@@ -104,11 +52,13 @@ class ServerProcess(_Launcher):
                 if attempt == PORT_ATTEMPTS or not self._lost_its_port():
                     raise
             self.stop()
-            self.port = free_port()
-            self.url = f"http://127.0.0.1:{self.port}"
-            assert self._cmd[-2] == "--port"
-            self._cmd[-1] = str(self.port)
+            self.use_port(free_port())
             self.spawn()
+
+    def use_port(self, port: int) -> None:
+        """Start on ``port`` from now on (the command ends with ``--port N``)."""
+        assert self._cmd[-2] == "--port"
+        self.port, self.url, self._cmd[-1] = port, f"http://127.0.0.1:{port}", str(port)
 
     def _lost_its_port(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None and "address already in use" in self.log().lower()
@@ -117,15 +67,22 @@ class ServerProcess(_Launcher):
         """A 200 from /health may come from another process that took the port; this child then exits
         (address in use) once its imports are done. Healthy means: the child, or a process it started,
         holds the listening socket."""
-        if not Path("/proc/net/tcp").exists():
-            return  # not Linux: nothing to check with
         deadline = time.monotonic() + timeout_s
-        while not _holds_socket(self.pid, _listening_inodes(self.port)):
+        while not self._holds_its_port():
             if self.proc is not None and self.proc.poll() is not None:
                 raise BenchError(f"{self.name} server exited at startup:\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 raise BenchError(f"{self.name} server: another process answers on port {self.port}")
             time.sleep(0.1)
+
+    def _holds_its_port(self) -> bool:
+        """Whether the child or a process it started listens on the port (``--api-server-count N``: the
+        frontends listen, not the parent)."""
+        try:
+            tree = {self.pid, *(p.pid for p in psutil.Process(self.pid).children(recursive=True))}
+        except psutil.NoSuchProcess:
+            return False
+        return not tree.isdisjoint(listeners(self.port))
 
     def log(self) -> str:
         return self.log_tail(100_000)

@@ -41,8 +41,7 @@ def impostor() -> Iterator[int]:
 def test_a_server_whose_port_was_taken_starts_on_another_and_is_itself(impostor: int) -> None:
     srv = ServerProcess("serve", "--engine", "scripted", "--tokenizer", "qwen3", "--script", str(SCRIPTS))
     # As if the impostor had taken the launcher's pick before the child bound it.
-    srv.port, srv.url = impostor, f"http://127.0.0.1:{impostor}"
-    srv._cmd[-1] = str(impostor)
+    srv.use_port(impostor)
     with srv:
         assert srv.port != impostor and srv.url == f"http://127.0.0.1:{srv.port}"
         r = httpx.get(srv.url + "/health", timeout=60)
