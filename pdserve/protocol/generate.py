@@ -37,6 +37,17 @@ from pdserve.protocol.sampling import SamplingParams
 OutputMode = Literal["tokens", "text", "derender"]
 
 
+def decodes_text(mode: OutputMode) -> bool:
+    """The mode's answer carries text (``text``, ``derender``): it needs a tokenizer and detokenization.
+    Asked here, by name, so a new mode is added in one place instead of at every comparison."""
+    return mode != "tokens"
+
+
+def parses_message(mode: OutputMode) -> bool:
+    """The mode's answer is a chat message (``derender``): the reasoning and tool parsers run on it."""
+    return mode == "derender"
+
+
 class ParseContext(BaseModel):
     """What ``/render`` emits so a decode server can build the request's parsers."""
 
