@@ -127,7 +127,7 @@ def openai_body(arm: Arm, prompt: Prompt) -> dict[str, Any]:
     return body
 
 
-class TokenCounter:
+class StreamTokenTally:
     """Output tokens a chunk makes usable: its ``token_ids``, else the growth of continuous usage,
     else one per chunk with visible content (what a client that gets neither can do)."""
 
@@ -205,13 +205,13 @@ class ArmClient:
             raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:300]}")
         data = _decode(response.content)
         now = time.perf_counter()
-        counted = TokenCounter().count(data)
+        counted = StreamTokenTally().count(data)
         result.usage_output_tokens = (data.get("usage") or {}).get("completion_tokens")
         result.arrivals.append((now, result.usage_output_tokens if result.usage_output_tokens is not None else counted))
         result.server_metrics = data.get("metrics")
 
     async def _stream(self, arm: Arm, prompt: Prompt, url: str, body: dict[str, Any], result: RequestResult) -> None:
-        counter = TokenCounter()
+        counter = StreamTokenTally()
         derender = (arm.derender_url or arm.base_url) + DERENDER_PATHS[arm.derender] if arm.endpoint == "tier" else None
         echoed = _echoed_fields(arm, prompt) if derender else b""
         state = b"null"

@@ -29,7 +29,7 @@ def _escape_control(match: re.Match[str]) -> str:
     return f"\\u{ord(match.group()):04x}"
 
 
-class _State(Enum):
+class _ScanPhase(Enum):
     VALUE = auto()  # a value must start here
     ARRAY_FIRST = auto()  # after '[': a value or ']'
     OBJECT_FIRST = auto()  # after '{': a key or '}'
@@ -48,7 +48,7 @@ class JsonValueScanner:
     """Consumes the text of exactly one JSON value, chunk by chunk, each character once."""
 
     def __init__(self) -> None:
-        self._state = _State.VALUE
+        self._state = _ScanPhase.VALUE
         self._closers: list[str] = []
         self._in_key = False
         self._scalar: list[str] = []
@@ -60,11 +60,11 @@ class JsonValueScanner:
 
     @property
     def done(self) -> bool:
-        return self._state is _State.DONE
+        return self._state is _ScanPhase.DONE
 
     @property
     def broken(self) -> bool:
-        return self._state is _State.BROKEN
+        return self._state is _ScanPhase.BROKEN
 
     def feed(self, text: str, pos: int = 0) -> int:
         """Consume ``text[pos:]`` until the value completes or turns out invalid.
@@ -74,13 +74,13 @@ class JsonValueScanner:
         which is not consumed), or the offending character.
         """
         end = len(text)
-        while pos < end and self._state is not _State.DONE and self._state is not _State.BROKEN:
+        while pos < end and self._state is not _ScanPhase.DONE and self._state is not _ScanPhase.BROKEN:
             pos = self._step(text, pos)
         return pos
 
     def finish(self) -> None:
         """End of input: a trailing number or literal is complete if it is valid."""
-        if self._state is _State.SCALAR:
+        if self._state is _ScanPhase.SCALAR:
             self._end_scalar()
 
     def text(self) -> str:
@@ -105,13 +105,13 @@ class JsonValueScanner:
 
     def _step(self, text: str, pos: int) -> int:
         state = self._state
-        if state is _State.STRING:
+        if state is _ScanPhase.STRING:
             return self._string(text, pos)
-        if state is _State.ESCAPE:
+        if state is _ScanPhase.ESCAPE:
             return self._escape(text, pos)
-        if state is _State.UNICODE:
+        if state is _ScanPhase.UNICODE:
             return self._unicode(text, pos)
-        if state is _State.SCALAR:
+        if state is _ScanPhase.SCALAR:
             run = _SCALAR_RUN.match(text, pos)
             if run is None:
                 self._end_scalar()
@@ -123,50 +123,50 @@ class JsonValueScanner:
         if char in _WHITESPACE:
             self._pieces.append(char)
             return pos + 1
-        if state is _State.VALUE or state is _State.ARRAY_FIRST:
-            if char == "]" and state is _State.ARRAY_FIRST:
+        if state is _ScanPhase.VALUE or state is _ScanPhase.ARRAY_FIRST:
+            if char == "]" and state is _ScanPhase.ARRAY_FIRST:
                 self._close(char)
             elif char in "{[":
                 self._closers.append("}" if char == "{" else "]")
-                self._state = _State.OBJECT_FIRST if char == "{" else _State.ARRAY_FIRST
+                self._state = _ScanPhase.OBJECT_FIRST if char == "{" else _ScanPhase.ARRAY_FIRST
                 self._pieces.append(char)
                 self._mark_safe(in_string=False)
             elif char == '"':
                 self._open_string(key=False)
             elif char == "-" or (char.isascii() and char.isalnum()):
-                self._state = _State.SCALAR
+                self._state = _ScanPhase.SCALAR
                 return pos
             else:
-                self._state = _State.BROKEN
+                self._state = _ScanPhase.BROKEN
                 return pos
-        elif state is _State.OBJECT_FIRST or state is _State.OBJECT_KEY:
+        elif state is _ScanPhase.OBJECT_FIRST or state is _ScanPhase.OBJECT_KEY:
             if char == '"':
                 self._open_string(key=True)
-            elif char == "}" and state is _State.OBJECT_FIRST:
+            elif char == "}" and state is _ScanPhase.OBJECT_FIRST:
                 self._close(char)
             else:
-                self._state = _State.BROKEN
+                self._state = _ScanPhase.BROKEN
                 return pos
-        elif state is _State.COLON:
+        elif state is _ScanPhase.COLON:
             if char != ":":
-                self._state = _State.BROKEN
+                self._state = _ScanPhase.BROKEN
                 return pos
             self._pieces.append(char)
-            self._state = _State.VALUE
-        elif state is _State.AFTER:
+            self._state = _ScanPhase.VALUE
+        elif state is _ScanPhase.AFTER:
             if char == ",":
                 self._pieces.append(char)
-                self._state = _State.OBJECT_KEY if self._closers[-1] == "}" else _State.VALUE
+                self._state = _ScanPhase.OBJECT_KEY if self._closers[-1] == "}" else _ScanPhase.VALUE
             elif char == self._closers[-1]:
                 self._close(char)
             else:
-                self._state = _State.BROKEN
+                self._state = _ScanPhase.BROKEN
                 return pos
         return pos + 1
 
     def _open_string(self, key: bool) -> None:
         self._in_key = key
-        self._state = _State.STRING
+        self._state = _ScanPhase.STRING
         self._pieces.append('"')
         if not key:
             self._mark_safe(in_string=True)
@@ -174,7 +174,7 @@ class JsonValueScanner:
     def _string(self, text: str, pos: int) -> int:
         char = text[pos]
         if self._high_surrogate and char != "\\":
-            self._state = _State.BROKEN  # a high surrogate escape must be followed by a low one
+            self._state = _ScanPhase.BROKEN  # a high surrogate escape must be followed by a low one
             return pos
         run = _STRING_RUN.match(text, pos)
         if run is not None:
@@ -185,10 +185,10 @@ class JsonValueScanner:
             return run.end()
         self._pieces.append(char)
         if char == "\\":
-            self._state = _State.ESCAPE
+            self._state = _ScanPhase.ESCAPE
         elif self._in_key:
             self._in_key = False
-            self._state = _State.COLON
+            self._state = _ScanPhase.COLON
         else:
             self._value_done()
         return pos + 1
@@ -197,21 +197,21 @@ class JsonValueScanner:
         char = text[pos]
         if char == "u":
             self._hex = ""
-            self._state = _State.UNICODE
+            self._state = _ScanPhase.UNICODE
         elif char in _SIMPLE_ESCAPES and not self._high_surrogate:
-            self._state = _State.STRING
+            self._state = _ScanPhase.STRING
         else:
-            self._state = _State.BROKEN
+            self._state = _ScanPhase.BROKEN
             return pos
         self._pieces.append(char)
-        if self._state is _State.STRING and not self._in_key:
+        if self._state is _ScanPhase.STRING and not self._in_key:
             self._mark_safe(in_string=True)
         return pos + 1
 
     def _unicode(self, text: str, pos: int) -> int:
         char = text[pos]
         if char not in _HEX_DIGITS:
-            self._state = _State.BROKEN
+            self._state = _ScanPhase.BROKEN
             return pos
         self._pieces.append(char)
         self._hex += char
@@ -221,10 +221,10 @@ class JsonValueScanner:
             is_low = 0xDC00 <= code <= 0xDFFF
             # A high surrogate needs a low one right after it; a low one needs a high one before it.
             if is_low != self._high_surrogate:
-                self._state = _State.BROKEN
+                self._state = _ScanPhase.BROKEN
                 return pos
             self._high_surrogate = is_high
-            self._state = _State.STRING
+            self._state = _ScanPhase.STRING
             if not is_high and not self._in_key:
                 self._mark_safe(in_string=True)
         return pos + 1
@@ -234,7 +234,7 @@ class JsonValueScanner:
             self._scalar.clear()
             self._value_done()
         else:
-            self._state = _State.BROKEN
+            self._state = _ScanPhase.BROKEN
 
     def _close(self, char: str) -> None:
         self._closers.pop()
@@ -242,7 +242,7 @@ class JsonValueScanner:
         self._value_done()
 
     def _value_done(self) -> None:
-        self._state = _State.AFTER if self._closers else _State.DONE
+        self._state = _ScanPhase.AFTER if self._closers else _ScanPhase.DONE
         self._mark_safe(in_string=False)
 
     def _mark_safe(self, in_string: bool) -> None:

@@ -49,7 +49,7 @@ PARAMETER_END = "</parameter>"
 NAME_END = ">"
 
 
-class _State(Enum):
+class _CoderPhase(Enum):
     CONTENT = auto()
     PREAMBLE = auto()  # after <tool_call>, before <function=
     NAME = auto()
@@ -60,13 +60,13 @@ class _State(Enum):
 
 
 _TAGS = {
-    _State.CONTENT: TagSet(TOOL_CALL_START, FUNCTION_START),
-    _State.PREAMBLE: TagSet(TOOL_CALL_START, TOOL_CALL_END, FUNCTION_START),
-    _State.NAME: TagSet(NAME_END, FUNCTION_END, TOOL_CALL_END, TOOL_CALL_START),
-    _State.ARGS: TagSet(PARAMETER_START, FUNCTION_END, TOOL_CALL_END, TOOL_CALL_START, FUNCTION_START),
-    _State.PARAM_NAME: TagSet(NAME_END, PARAMETER_END, FUNCTION_END, TOOL_CALL_END),
-    _State.PARAM_VALUE: TagSet(PARAMETER_END, PARAMETER_START, FUNCTION_END, TOOL_CALL_END),
-    _State.BETWEEN: TagSet(TOOL_CALL_END, TOOL_CALL_START, FUNCTION_START),
+    _CoderPhase.CONTENT: TagSet(TOOL_CALL_START, FUNCTION_START),
+    _CoderPhase.PREAMBLE: TagSet(TOOL_CALL_START, TOOL_CALL_END, FUNCTION_START),
+    _CoderPhase.NAME: TagSet(NAME_END, FUNCTION_END, TOOL_CALL_END, TOOL_CALL_START),
+    _CoderPhase.ARGS: TagSet(PARAMETER_START, FUNCTION_END, TOOL_CALL_END, TOOL_CALL_START, FUNCTION_START),
+    _CoderPhase.PARAM_NAME: TagSet(NAME_END, PARAMETER_END, FUNCTION_END, TOOL_CALL_END),
+    _CoderPhase.PARAM_VALUE: TagSet(PARAMETER_END, PARAMETER_START, FUNCTION_END, TOOL_CALL_END),
+    _CoderPhase.BETWEEN: TagSet(TOOL_CALL_END, TOOL_CALL_START, FUNCTION_START),
 }
 
 
@@ -82,7 +82,7 @@ class Qwen3CoderToolParser(ToolParser):
     def __init__(self, tools: list[ChatCompletionToolsParam] | None) -> None:
         super().__init__(tools)
         self._properties = tool_properties(self._tools)
-        self._state = _State.CONTENT
+        self._state = _CoderPhase.CONTENT
         # Markup of a call attempt whose name is not known yet: released as content if it never is.
         self._raw: list[str] | None = None
         self._name: list[str] = []
@@ -118,7 +118,7 @@ class Qwen3CoderToolParser(ToolParser):
             self._text(rest, out)
         # A name cut off before its '>' is not trusted: the attempt is released as text.
         self._end_attempt(out)
-        self._state = _State.CONTENT
+        self._state = _CoderPhase.CONTENT
         self._finish_content(out)
 
     # ------------------------------------------------------------ transitions
@@ -127,56 +127,56 @@ class Qwen3CoderToolParser(ToolParser):
         if self._raw is not None:
             self._raw.append(text)
         state = self._state
-        if state is _State.CONTENT:
+        if state is _CoderPhase.CONTENT:
             self._content(text, out)
-        elif state is _State.NAME:
+        elif state is _CoderPhase.NAME:
             self._name.append(text)
-        elif state is _State.PARAM_NAME:
+        elif state is _CoderPhase.PARAM_NAME:
             self._key.append(text)
-        elif state is _State.PARAM_VALUE:
+        elif state is _CoderPhase.PARAM_VALUE:
             self._value_text(text, out)
 
     def _tag(self, tag: str, out: list[Event]) -> None:
         state = self._state
-        if state is _State.NAME and tag != NAME_END:
+        if state is _CoderPhase.NAME and tag != NAME_END:
             self._resolve_name(out)  # malformed: the name ends at the next tag
         if tag == TOOL_CALL_START:
             self._end_attempt(out)
             self._raw = [tag]
-            self._state = _State.PREAMBLE
+            self._state = _CoderPhase.PREAMBLE
         elif tag == FUNCTION_START:
-            if state is _State.PREAMBLE and self._raw is not None:
+            if state is _CoderPhase.PREAMBLE and self._raw is not None:
                 self._raw.append(tag)
             else:
                 self._end_attempt(out)
                 self._raw = [tag]
             self._name = []
-            self._state = _State.NAME
+            self._state = _CoderPhase.NAME
         elif tag == NAME_END:
             self._append_raw(tag)
-            if state is _State.NAME:
+            if state is _CoderPhase.NAME:
                 self._resolve_name(out)
-                self._state = _State.ARGS
+                self._state = _CoderPhase.ARGS
             else:
                 self._begin_param(out)
-                self._state = _State.PARAM_VALUE
+                self._state = _CoderPhase.PARAM_VALUE
         elif tag == PARAMETER_START:
             self._append_raw(tag)
             self._end_param(out)
             self._key = []
-            self._state = _State.PARAM_NAME
+            self._state = _CoderPhase.PARAM_NAME
         elif tag == PARAMETER_END:
             self._append_raw(tag)
             self._end_param(out)
-            self._state = _State.ARGS
+            self._state = _CoderPhase.ARGS
         elif tag == FUNCTION_END:
             self._append_raw(tag)
             self._close_call(out)
-            self._state = _State.BETWEEN
+            self._state = _CoderPhase.BETWEEN
         else:  # TOOL_CALL_END
             self._append_raw(tag)
             self._end_attempt(out)
-            self._state = _State.CONTENT
+            self._state = _CoderPhase.CONTENT
 
     def _append_raw(self, text: str) -> None:
         if self._raw is not None:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.bench.loadgen import TokenCounter
+from pdserve.bench.loadgen import StreamTokenTally
 from pdserve.bench.metrics import RequestResult, meets_slo, parse_slo, summarize
 from pdserve.bench.report import percentile
 
@@ -73,13 +73,13 @@ def test_slo_accepts_vllm_form_and_names_bad_items() -> None:
 
 
 def test_token_counter_prefers_ids_then_usage_then_content() -> None:
-    counter = TokenCounter()
+    counter = StreamTokenTally()
     assert counter.count({"choices": [{"token_ids": [1, 2]}]}) == 2
-    usage_only = TokenCounter()
+    usage_only = StreamTokenTally()
     assert usage_only.count({"choices": [{"delta": {"content": "a"}}], "usage": {"completion_tokens": 3}}) == 3
     assert usage_only.count({"choices": [{"delta": {"content": "b"}}], "usage": {"completion_tokens": 5}}) == 2
     assert usage_only.count({"choices": [], "usage": {"completion_tokens": 5}}) == 0  # the final usage chunk
-    bare = TokenCounter()
+    bare = StreamTokenTally()
     assert bare.count({"choices": [{"delta": {"reasoning": "x"}}]}) == 1
     assert bare.count({"choices": [{"delta": {}}]}) == 0
 
