@@ -1,4 +1,4 @@
-"""Real ``pdserve`` processes on loopback for e2e tests (the benchmark's launcher, plus test niceties)."""
+"""Real ``pdserve`` processes on loopback for e2e tests (pdserve.topology.process's launcher, plus test niceties)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import httpx
 import psutil
 
 from pdserve.bench.cpu import listeners
-from pdserve.bench.servers import BenchError, free_port
-from pdserve.bench.servers import ServerProcess as _Launcher
+from pdserve.topology.process import ServerFailed, free_port
+from pdserve.topology.process import ServerProcess as _Launcher
 
 # How many ports a server start tries. The launcher picks a free port, closes it, and the child binds
 # it seconds later (after its imports): in between any other process on the host (another test run,
@@ -22,7 +22,7 @@ PORT_ATTEMPTS = 3
 class ServerProcess(_Launcher):
     """``ServerProcess(*cli_args)`` started by ``with`` (or ``start()``); ``url`` once healthy.
 
-    ``wait_healthy`` (and so ``start()`` and ``pdserve.bench.servers.start_all``) makes sure the
+    ``wait_healthy`` (and so ``start()`` and ``pdserve.topology.process.start_all``) makes sure the
     answering server is this child (it holds the listening socket), and restarts the child on a fresh
     port when it lost its port to another process (see :data:`PORT_ATTEMPTS`): read ``url`` and
     ``port`` after the server is healthy, not before.
@@ -48,17 +48,12 @@ class ServerProcess(_Launcher):
                 super().wait_healthy(timeout_s)
                 self._wait_until_it_holds_its_port(timeout_s)
                 return
-            except BenchError:
+            except ServerFailed:
                 if attempt == PORT_ATTEMPTS or not self._lost_its_port():
                     raise
             self.stop()
             self.use_port(free_port())
             self.spawn()
-
-    def use_port(self, port: int) -> None:
-        """Start on ``port`` from now on (the command ends with ``--port N``)."""
-        assert self._cmd[-2] == "--port"
-        self.port, self.url, self._cmd[-1] = port, f"http://127.0.0.1:{port}", str(port)
 
     def _lost_its_port(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None and "address already in use" in self.log().lower()
@@ -70,9 +65,9 @@ class ServerProcess(_Launcher):
         deadline = time.monotonic() + timeout_s
         while not self._holds_its_port():
             if self.proc is not None and self.proc.poll() is not None:
-                raise BenchError(f"{self.name} server exited at startup:\n{self.log_tail()}")
+                raise ServerFailed(f"{self.name} server exited at startup:\n{self.log_tail()}")
             if time.monotonic() > deadline:
-                raise BenchError(f"{self.name} server: another process answers on port {self.port}")
+                raise ServerFailed(f"{self.name} server: another process answers on port {self.port}")
             time.sleep(0.1)
 
     def _holds_its_port(self) -> bool:
@@ -105,7 +100,7 @@ class ServerProcess(_Launcher):
             text = httpx.get(url, headers=self.headers, timeout=10).text
         else:
             text = via.get(url, headers=self.headers, timeout=10).text
-        found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
         if found is None and missing is not None:
             return missing
         assert found, f"{name} missing from /metrics"

@@ -28,7 +28,8 @@ from pdserve.bench.loadgen import Arm, Prompt
 from pdserve.bench.report import fmt, machine, ratio
 from pdserve.bench.results import results_table
 from pdserve.bench.serve_bench import arms_from_args, build_parser, measure, render_prompts, server_urls
-from pdserve.bench.servers import BenchError, ServerProcess, start_all
+from pdserve.bench.servers import BenchError, start_all
+from pdserve.topology.process import ServerProcess
 
 DEFAULT_DOCS = Path("docs/benchmarks.md")
 PARSERS = ("--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice")

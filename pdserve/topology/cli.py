@@ -37,9 +37,9 @@ def parser_flags(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def run_up(args: argparse.Namespace, serve_flags: list[str]) -> int:
-    from pdserve.bench.servers import free_port
     from pdserve.checkpoints.resolve import DEFAULT_MODEL, resolve_model
     from pdserve.topology.plan import TopologyRequest, plan
+    from pdserve.topology.process import free_port
     from pdserve.topology.supervise import run
 
     model = args.model or DEFAULT_MODEL

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from pdserve.topology.members import MemberProcess, MemberSpec, stop_all
+from pdserve.topology.members import MemberSpec, member_process
+from pdserve.topology.process import ServerProcess, stop_all
 
 STARTUP_TIMEOUT_S = 300.0
 PROGRESS_EVERY_S = 10.0
@@ -27,7 +28,7 @@ def say(line: str) -> None:
     print(f"pdserve up: {line}", flush=True)
 
 
-def wait_healthy(members: list[MemberProcess], timeout_s: float) -> None:
+def wait_healthy(members: list[ServerProcess], timeout_s: float) -> None:
     """Until every member answers ``/health``: one line per member as it comes up, a progress line
     every few seconds; a member that exits meanwhile fails the start with its log tail."""
     start = time.monotonic()
@@ -51,7 +52,7 @@ def wait_healthy(members: list[MemberProcess], timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def summary(members: list[MemberProcess], mode: str, model: str, log_dir: Path) -> str:
+def summary(members: list[ServerProcess], mode: str, model: str, log_dir: Path) -> str:
     proxy = members[-1]
     lines = [f"pdserve up: ready: {model}, mode {mode}"]
     lines += [f"  {m.name:<10} {m.url:<24} pid {m.pid}" for m in members]
@@ -59,17 +60,18 @@ def summary(members: list[MemberProcess], mode: str, model: str, log_dir: Path) 
     return "\n".join(lines)
 
 
-def _report_exits(members: list[MemberProcess]) -> MemberProcess | None:
-    """Report each newly exited member once; the proxy, if it is one of them."""
+def _report_exits(members: list[ServerProcess], reported: set[str], proxy: str) -> ServerProcess | None:
+    """Report each newly exited member once (``reported``: the names already reported); the proxy
+    (named ``proxy``), if it is one of them."""
     for member in members:
         code = member.exit_code()
-        if code is None or member.exit_reported:
+        if code is None or member.name in reported:
             continue
-        member.exit_reported = True
+        reported.add(member.name)
         member.signal_group(signal.SIGKILL)  # what it started (its engine core) goes with it
         say(f"{member.name} (pid {member.pid}, {member.url}) exited with code {code}; "
             f"the proxy takes it out of rotation (log: {member.log_path})")
-        if member.spec.role == "proxy":
+        if member.name == proxy:
             return member
     return None
 
@@ -77,8 +79,8 @@ def _report_exits(members: list[MemberProcess]) -> MemberProcess | None:
 def run(specs: list[MemberSpec], mode: str, model: str) -> int:
     """Start, supervise and stop the topology; the exit code of ``pdserve up``."""
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
-    servers = [MemberProcess(s, log_dir) for s in specs if s.role != "proxy"]
-    proxy = [MemberProcess(s, log_dir) for s in specs if s.role == "proxy"]
+    servers = [member_process(s, log_dir) for s in specs if s.role != "proxy"]
+    proxy = [member_process(s, log_dir) for s in specs if s.role == "proxy"]
     members = servers + proxy
     stopping = False
 
@@ -97,7 +99,8 @@ def run(specs: list[MemberSpec], mode: str, model: str) -> int:
         proxy[0].spawn()
         wait_healthy(proxy, STARTUP_TIMEOUT_S)
         print(summary(members, mode, model, log_dir), flush=True)
-        while _report_exits(members) is None:
+        reported: set[str] = set()
+        while _report_exits(members, reported, proxy[0].name) is None:
             time.sleep(WATCH_POLL_S)
         code = 1  # the proxy is gone: nothing routes to the servers any more
     except StartupFailed as e:

@@ -97,7 +97,7 @@ def test_table_and_plots_are_written(run: tuple[dict, str, Path]) -> None:
 
 
 def test_an_unreachable_server_fails_the_run_with_a_message() -> None:
-    from pdserve.bench.servers import free_port
+    from pdserve.topology.process import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     done = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", url, "--num-prompts",

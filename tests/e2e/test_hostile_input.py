@@ -23,7 +23,6 @@ from fastapi.responses import StreamingResponse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.bench.servers import start_all
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.limits import (
     MAX_HEADER_BYTES,
@@ -39,6 +38,7 @@ from pdserve.serve.http import check_json, install_error_handlers
 from pdserve.serve.metrics import Metrics
 from pdserve.serve.responses import respond_stream
 from pdserve.serve.state import AppState
+from pdserve.topology.process import start_all
 from tests.e2e.test_generate import PROMPT, SCRIPTS
 from tests.serverproc import ServerProcess
 

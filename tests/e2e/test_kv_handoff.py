@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pdserve.bench.servers import free_port, start_all
+from pdserve.topology.process import free_port, start_all
 from tests.serverproc import ServerProcess
 from tests.sse import parse_sse
 from tests.waiting import wait_until

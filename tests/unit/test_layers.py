@@ -46,9 +46,10 @@ LAYERS: dict[str, frozenset[str]] = {
     "output": frozenset({"protocol", "text", "parsers"}),
     "serve": _BELOW_SERVE,
     "proxy": _BELOW_SERVE,
-    "bench": _BELOW_SERVE | {"serve", "proxy"},
-    # ``pdserve up``: plans and supervises server processes (the proxy's mode names, bench's free_port).
-    "topology": _BELOW_SERVE | {"proxy", "bench"},
+    # ``pdserve up``: plans and supervises server processes (the proxy's mode names); its process launcher
+    # (topology/process.py) is the one the benchmarks and the tests start servers with.
+    "topology": _BELOW_SERVE | {"proxy"},
+    "bench": _BELOW_SERVE | {"serve", "proxy", "topology"},
     # Wire rules checked from outside: imports no other pdserve package, so it cannot share a server's bug.
     "conformance": frozenset(),
     "schema": frozenset({"protocol"}),  # JSON Schema export of the wire types

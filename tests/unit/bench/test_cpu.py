@@ -9,7 +9,8 @@ import time
 import pytest
 
 from pdserve.bench.cpu import CpuMeter, ServerCpu, listeners, server_root
-from pdserve.bench.servers import BenchError, free_port
+from pdserve.bench.servers import BenchError
+from pdserve.topology.process import free_port
 
 # A "server": the parent listens on PORT and starts a child that, once the file GO exists (the test
 # creates it after its first snapshot), burns 0.6 s of CPU ("cpu": process time, however long that takes on a

@@ -13,7 +13,8 @@ from pdserve.bench.loadgen import Arm, Prompt, generate_body, openai_body
 from pdserve.bench.report import markdown_table, replace_section
 from pdserve.bench.results import results_table
 from pdserve.bench.serve_bench import add_serve_args, arms_from_args
-from pdserve.bench.servers import BenchError, ServerProcess, start_all
+from pdserve.bench.servers import BenchError, start_all
+from pdserve.topology.process import ServerProcess
 
 HEADING = "## Some benchmark"
 ENGINE_SECTION = "## Engine (pdserve bench engine)\n\nengine numbers stay here\n"
