@@ -17,7 +17,9 @@ from fastapi import FastAPI
 from pdserve.engine.api import DirectDelivery, Engine
 from pdserve.output.derender_cache import DerenderCache
 from pdserve.serve.config import ServerConfig
-from pdserve.serve.http import Gate, install_error_handlers, install_openapi_bodies
+from pdserve.serve.http.gate import Gate
+from pdserve.serve.http.handlers import install_error_handlers
+from pdserve.serve.http.openapi import install_openapi_bodies
 from pdserve.serve.inflight import watch_idle_streams
 from pdserve.serve.metrics import Metrics
 from pdserve.serve.routes import admin, derender, generate, openai

@@ -15,7 +15,7 @@ from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import GenerateRequest, ParseContext, ReasoningParserKwargs
 from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest, NamedToolChoice, SamplingRequest
 from pdserve.protocol.sampling import SamplingParams
-from pdserve.serve.http import format_validation_error
+from pdserve.serve.http.body import format_validation_error
 from pdserve.serve.requests import skip_special_tokens
 from pdserve.serve.state import AppState
 from pdserve.text.tokenizer import Tokenizer

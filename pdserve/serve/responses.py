@@ -21,7 +21,8 @@ from pdserve.protocol.errors import RequestError
 from pdserve.protocol.sse import DONE, sse_event
 from pdserve.serve.driver import Outlet, drive
 from pdserve.serve.event_stream import DirectBody, EventStreamResponse, until_disconnect
-from pdserve.serve.http import engine_error_body, error_body, logger, report_stream_error
+from pdserve.serve.http.errors import engine_error_body, error_body
+from pdserve.serve.http.handlers import logger, report_stream_error
 from pdserve.serve.inflight import Prepared, StreamWatch
 from pdserve.serve.state import AppState
 

@@ -39,7 +39,7 @@ from pdserve.protocol.engine import ABORT_FOR_SHUTDOWN
 from pdserve.serve.app import create_app
 from pdserve.serve.banner import ready_banner
 from pdserve.serve.config import ServerConfig
-from pdserve.serve.http import BoundedHttpToolsProtocol
+from pdserve.serve.http.protocol import BoundedHttpToolsProtocol
 from pdserve.serve.inflight import drain
 from pdserve.serve.state import AppState
 from pdserve.text.tokenizer import Tokenizer

@@ -34,7 +34,8 @@ from pdserve.protocol.limits import (
 )
 from pdserve.protocol.sse import sse_event
 from pdserve.serve.config import ServerConfig
-from pdserve.serve.http import check_json, install_error_handlers
+from pdserve.serve.http.body import check_json
+from pdserve.serve.http.handlers import install_error_handlers
 from pdserve.serve.metrics import Metrics
 from pdserve.serve.responses import respond_stream
 from pdserve.serve.state import AppState

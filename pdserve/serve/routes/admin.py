@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdserve.serve.http import error_json
+from pdserve.serve.http.errors import error_json
 from pdserve.serve.state import app_state
 
 router = APIRouter()

@@ -31,7 +31,7 @@ from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import GenerateTokensChoice, GenerateTokensStreamChoice
 from pdserve.protocol.limits import MAX_N
 from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest
-from pdserve.serve.http import parse_body
+from pdserve.serve.http.body import parse_body
 from pdserve.serve.requests import (
     batch_stop_config,
     derender_chat_config,

@@ -16,7 +16,7 @@ from pdserve.protocol.generate import AbortRequest, GenerateRequest, GenerateRes
 from pdserve.protocol.sse import sse_event, sse_event_bytes
 from pdserve.serve.driver import drive
 from pdserve.serve.event_stream import DirectBody, DirectEvents
-from pdserve.serve.http import parse_body
+from pdserve.serve.http.body import parse_body
 from pdserve.serve.requests import prepare
 from pdserve.serve.responses import respond_batch, respond_stream
 from pdserve.serve.state import AppState, app_state

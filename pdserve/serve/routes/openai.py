@@ -21,7 +21,7 @@ from pdserve.protocol.generate import GenerateRequest
 from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest, UsageInfo
 from pdserve.protocol.sse import sse_event, sse_event_bytes
 from pdserve.serve.event_stream import DirectBody, DirectEvents
-from pdserve.serve.http import parse_body
+from pdserve.serve.http.body import parse_body
 from pdserve.serve.render import render_chat, render_completion
 from pdserve.serve.requests import prepare
 from pdserve.serve.responses import merged_updates, respond_batch, respond_stream

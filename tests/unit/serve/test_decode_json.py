@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve.protocol.errors import RequestError
-from pdserve.serve.http import check_json, decode_json
+from pdserve.serve.http.body import check_json, decode_json
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False, allow_infinity=False)
