@@ -66,7 +66,7 @@ class ServerCpu:
         except psutil.NoSuchProcess:
             raise BenchError(f"server {self.label or self.root} (pid {self.root}) is gone") from None
         api = set(listeners(self.port))
-        used = {role: 0.0 for role in ROLES}
+        used = dict.fromkeys(ROLES, 0.0)
         for proc in procs:
             try:
                 used["api" if proc.pid in api else "engine"] += _seconds(proc)

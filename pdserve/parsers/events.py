@@ -26,14 +26,14 @@ class Content(NamedTuple):
 class ToolStart(NamedTuple):
     """A tool call whose function name is now known; ``index`` counts calls from 0."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the field shadows tuple.index on purpose: events are data
     name: str
 
 
 class ToolArgs(NamedTuple):
     """The next piece of a call's arguments JSON (pieces concatenate to the whole)."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # as ToolStart.index
     text: str
 
 

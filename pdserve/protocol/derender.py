@@ -117,7 +117,9 @@ def _stream_tag(value: Any) -> str:
 def _batch_or_stream(batch: type[BaseModel], stream: type[BaseModel]) -> TypeAdapter[Any]:
     """One endpoint body: the batch request, or the streaming one when ``stream`` is true."""
     return TypeAdapter(
-        Annotated[Annotated[batch, Tag("batch")] | Annotated[stream, Tag("stream")], Discriminator(_stream_tag)]
+        Annotated[  # type: ignore[arg-type]  # a union of the classes given at run time
+            Annotated[batch, Tag("batch")] | Annotated[stream, Tag("stream")], Discriminator(_stream_tag)
+        ]
     )
 
 

@@ -17,7 +17,7 @@ keys pdserve does not read (``dcp_size``, ``remote_registration_generation``, ..
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgspec
 
@@ -152,7 +152,7 @@ def prefill_params(
     }
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -204,10 +204,12 @@ class SamplingParams(BaseModel):
     @field_validator(*UNSUPPORTED_OFF_VALUES)
     @classmethod
     def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        if not asks_nothing(info.field_name, value, UNSUPPORTED_OFF_VALUES[info.field_name]):
-            raise ValueError(f"{info.field_name} is not supported by pdserve; omit it or send null")
+        name = info.field_name
+        assert name is not None  # a field validator always runs for a field
+        if not asks_nothing(name, value, UNSUPPORTED_OFF_VALUES[name]):
+            raise ValueError(f"{name} is not supported by pdserve; omit it or send null")
         # vLLM normalizes thinking_token_budget=-1 ("unlimited") to None.
-        return None if info.field_name == "thinking_token_budget" else value
+        return None if name == "thinking_token_budget" else value
 
     @model_validator(mode="after")
     def _consistent(self) -> SamplingParams:

@@ -18,6 +18,7 @@ candidate list not in the engine's shape goes through the decoder's structs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 import msgspec
 
@@ -26,6 +27,7 @@ from pdserve.text.logprobs import LOGPROB_FLOOR, LogprobDecoder, clamp_logprob, 
 from pdserve.text.tokenizer import logprob_candidate_format
 
 _encode = msgspec.json.Encoder().encode
+_T = TypeVar("_T")
 
 
 def _sampled_repeat(ids: list[int]) -> int | None:
@@ -42,7 +44,7 @@ def _sampled_repeat(ids: list[int]) -> int | None:
     return None
 
 
-def _without(values: list, j: int) -> list:
+def _without(values: list[_T], j: int) -> list[_T]:
     return values if j < 0 else values[:j] + values[j + 1 :]
 
 
@@ -138,7 +140,7 @@ def generate_content_json(positions: Sequence[PositionLogprobs | None], sampled_
         else:
             columns = [_without(column, j) for column in (position.token_ids, position.logprobs, position.ranks)]
         tops = [
-            _IdLogprob(t, v if v >= LOGPROB_FLOOR else LOGPROB_FLOOR, r or None) for t, v, r in zip(*columns)
+            _IdLogprob(t, max(LOGPROB_FLOOR, v), r or None) for t, v, r in zip(*columns)
         ]
         entries.append(_IdLogprobs(tops[0].token_id, tops[0].logprob, tops[0].rank, tops))
     return _encode(entries)

@@ -41,7 +41,7 @@ class TokenLogprobs(TokenLogprob):
 
 def clamp_logprob(value: float) -> float:
     """The floor for anything below it, and for NaN (which compares false: one comparison, per candidate)."""
-    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
+    return max(LOGPROB_FLOOR, value)  # a NaN becomes the floor, as before
 
 
 def distinct_candidates(position: PositionLogprobs) -> list[tuple[int, float, int]]:

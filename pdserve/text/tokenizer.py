@@ -80,9 +80,8 @@ def _compile_template(source: str) -> jinja2.Template:
 
 
 def _token_content(value: Any) -> str | None:
-    if isinstance(value, dict):
-        return value.get("content")
-    return value
+    content: str | None = value.get("content") if isinstance(value, dict) else value
+    return content
 
 
 class Tokenizer:

@@ -169,7 +169,7 @@ def test_a_client_that_leaves_mid_stream_has_its_request_aborted(server: ServerP
     body = {"token_ids": PROMPT, "stream": True, "sampling_params": {"max_tokens": 240, "ignore_eos": True}}
     before = server.metric(DIRECT)
     with httpx.stream("POST", server.url + "/inference/v1/generate", json=body, timeout=60) as r:
-        for n, line in enumerate(r.iter_lines()):
+        for n, _line in enumerate(r.iter_lines()):
             if n > 40:
                 break  # closes the connection while the dispatch writes this stream
     assert server.metric(DIRECT) > before

@@ -164,7 +164,7 @@ def test_sdk_completions_equal_the_coupled_server(up: tuple[Up, str, ServerProce
 
 
 def metric(url: str, name: str) -> float:
-    found = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(url + "/metrics", timeout=10).text, re.M)
+    found = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(url + "/metrics", timeout=10).text, re.MULTILINE)
     assert found, f"{name} missing from {url}/metrics"
     return float(found.group(1))
 
