@@ -20,14 +20,11 @@ from pdserve.protocol.engine import EngineRequest
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.sse import DONE, sse_event
 from pdserve.serve.driver import Outlet, drive
-from pdserve.serve.event_stream import DirectBody, EventStreamResponse, until_disconnect
+from pdserve.serve.event_stream import DirectBody, EventStreamResponse
 from pdserve.serve.http import engine_error_body, error_body, logger, report_stream_error
 from pdserve.serve.inflight import Prepared, StreamWatch
 from pdserve.serve.state import AppState
-
-
-class ClientGone(Exception):
-    """The client disconnected before the response was ready."""
+from pdserve.web.disconnect import ClientGone, unless_disconnected
 
 
 async def run_batch(request: Request, state: AppState, prepared: Sequence[Prepared]) -> None:
@@ -38,18 +35,7 @@ async def run_batch(request: Request, state: AppState, prepared: Sequence[Prepar
         async for update in drive(engine, ereq, rstate):
             state.metrics.tokens_out.inc(len(update.token_ids))
 
-    work = asyncio.ensure_future(asyncio.gather(*(collect(e, r) for e, r in prepared)))
-    gone = asyncio.ensure_future(until_disconnect(request.receive))
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            raise ClientGone()
-        work.result()
-    finally:
-        gone.cancel()
-        if not work.done():
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
+    await unless_disconnected(request.receive, asyncio.gather(*(collect(e, r) for e, r in prepared)))
 
 
 async def respond_batch(
