@@ -51,7 +51,3 @@ def completion_chunk(
     surface = CompletionsSurface(response_id, model, return_token_ids=return_token_ids)
     return surface.choice_chunk(update, index, text_offset, usage, metrics)
 
-
-def chat_role_chunk(response_id: str, model: str, index: int) -> dict:
-    """The opening chunk of a choice (:meth:`ChatSurface.role_chunk`)."""
-    return ChatSurface(response_id, model).role_chunk(index)
