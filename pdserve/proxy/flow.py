@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import httpx
 
-from pdserve.output.surfaces import ChatSurface
+from pdserve.output.surfaces import ChatSurface, CompletionsSurface, TokensSurface
 from pdserve.protocol.generate import OutputMode
 from pdserve.protocol.sse import DONE, sse_event
 from pdserve.proxy import relay
@@ -129,8 +129,8 @@ class Orchestrator:
     def _decode_mode(self, kind: Kind) -> OutputMode:
         """The decode leg's output mode: ids for ``/derender``, else what the client's surface shows."""
         if self.mode == "derender-tier":
-            return "tokens"
-        return "derender" if kind == "chat" else "text"
+            return TokensSurface.output_mode
+        return (ChatSurface if kind == "chat" else CompletionsSurface).output_mode
 
     def _model(self, member: Member, p: Prepared) -> str:
         return member.model or self.decode.model or p.body.get("model") or "pdserve"

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pdserve.output.policy import usage_chunk
 from pdserve.output.surfaces.source import Step
+from pdserve.protocol.generate import OutputMode
 from pdserve.protocol.openai import UsageInfo
 
 if TYPE_CHECKING:
@@ -21,7 +22,9 @@ class Surface:
     a request is counted under), :meth:`shows`, :meth:`build` and :meth:`usage_head`."""
 
     endpoint: ClassVar[str]
-    output_mode: ClassVar[str]
+    # The generate output mode the surface shows (chat: derender, completions: text): what a decode leg
+    # that feeds this surface runs.
+    output_mode: ClassVar[OutputMode]
     # Every chunk carries usage so far (stream_options.continuous_usage_stats), where the surface has it.
     continuous_usage: bool = False
     include_usage: bool = False
