@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from pdserve.output import live
 from pdserve.output.timing import RequestTiming
 from pdserve.protocol.engine import EngineOutput, PositionLogprobs
-from pdserve.protocol.generate import OutputMode
+from pdserve.protocol.generate import OutputMode, decodes_text, parses_message
 from pdserve.protocol.openai import ChatMessage, StreamDelta, TextDelta
 from pdserve.text.detokenizer import IncrementalDetokenizer, StopConfig
 from pdserve.text.logprob_json import ChatLogprobJson
@@ -73,6 +73,8 @@ class ChoiceUpdate:
     logprobs_json: bytes | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # The choice hides reasoning, so its ids and logprobs are withheld (ChoiceState.hides_metadata).
+    hides_metadata: bool = False
 
     @property
     def finished(self) -> bool:
@@ -82,10 +84,6 @@ class ChoiceUpdate:
     def has_logprob_entries(self) -> bool:
         """Decoded logprob entries to send (structs or JSON)."""
         return bool(self.decoded_logprobs) or self.logprobs_json not in (None, b"[]")
-
-    def is_empty(self) -> bool:
-        delta_empty = self.delta is None or self.delta.is_empty()
-        return not self.token_ids and not self.text and delta_empty and not self.finished
 
 
 @dataclass
@@ -104,20 +102,22 @@ class ChoiceState:
     _released: int = 0
     _logprob_decoder: LogprobDecoder | None = None
     _logprob_json: ChatLogprobJson | None = None
+    _decodes_text: bool = False  # the mode's answer carries text (protocol.generate.decodes_text)
 
     def __post_init__(self) -> None:
         cfg = self.config
-        needs_text = cfg.mode != "tokens" or bool(cfg.stop.stop)
+        self._decodes_text = decodes_text(cfg.mode)
+        needs_text = self._decodes_text or bool(cfg.stop.stop)
         if needs_text and cfg.tokenizer is not None:
             self.detok = IncrementalDetokenizer(
                 cfg.tokenizer, cfg.prompt_token_ids, skip_special_tokens=cfg.skip_special_tokens, stop=cfg.stop
             )
             self.token_ids = self.detok.output_ids  # one list: the detokenizer keeps the ids it accepted
-        if cfg.mode != "tokens" and cfg.want_logprobs and cfg.tokenizer is not None:
+        if self._decodes_text and cfg.want_logprobs and cfg.tokenizer is not None:
             self._logprob_decoder = LogprobDecoder(cfg.tokenizer)
             if cfg.encoded_logprobs:
                 self._logprob_json = ChatLogprobJson(self._logprob_decoder)
-        if cfg.mode == "derender" and cfg.parser_factory is not None and cfg.streaming:
+        if parses_message(cfg.mode) and cfg.parser_factory is not None and cfg.streaming:
             self.parser = cfg.parser_factory()
 
     @property
@@ -131,6 +131,15 @@ class ChoiceState:
         The parser decides; a batch choice has one once :meth:`final_message` ran.
         """
         return self.parser is not None and self.parser.hide_metadata
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:
+        return self.config.prompt_token_ids
+
+    @property
+    def logprob_entries(self) -> list[TokenLogprobs] | None:
+        """A batch choice's decoded logprob entries; None when the request asked for none."""
+        return self.decoded_logprobs if self.config.want_logprobs else None
 
     @property
     def stopped_by_string(self) -> bool:
@@ -162,7 +171,7 @@ class ChoiceState:
                 finish, stop_reason = "stop", detok.stop_string
             if finish is not None:
                 detok.finish()
-            if self.config.mode == "tokens":  # stop strings only: ids go out as they come
+            if not self._decodes_text:  # stop strings only: ids go out as they come
                 released_ids = len(self.token_ids)
                 text = ""
             else:
@@ -172,7 +181,7 @@ class ChoiceState:
         self.finish_reason, self.stop_reason = finish, stop_reason
         if self.config.want_logprobs:
             self._extend_logprobs(out, len(self.token_ids) - before)
-        if self.config.mode == "tokens":
+        if not self._decodes_text:
             new_logprobs = self.logprobs[before:] if self.config.want_logprobs else None
             return ChoiceUpdate(self.index, self.token_ids[before:], new_logprobs, finish_reason=finish,
                                 stop_reason=stop_reason)
@@ -191,8 +200,9 @@ class ChoiceState:
         if self.parser is not None:
             update.delta, update.finish_reason = self.parser.step(text, ids, finish)
             if self.hides_metadata:
+                update.hides_metadata = True
                 update.decoded_logprobs = update.logprobs_json = None
-        elif self.config.mode == "derender" and self.config.streaming:
+        elif self.config.streaming and parses_message(self.config.mode):
             update.delta = TextDelta(content=text or None)
         return update
 

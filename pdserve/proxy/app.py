@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -28,8 +28,8 @@ from pdserve.protocol.sse import DONE
 from pdserve.proxy.flow import ClientRequestError, Kind, Orchestrator
 from pdserve.proxy.pool import check_pools, health_loop
 from pdserve.proxy.upstream import UpstreamError, error_body, send
+from pdserve.web.disconnect import ClientGone, unless_disconnected
 
-T = TypeVar("T")
 # The servers behind the proxy refuse more (pdserve.serve.config.DEFAULT_MAX_BODY_BYTES); the proxy reads no more.
 MAX_BODY_BYTES = 32 * 1024 * 1024
 
@@ -38,31 +38,6 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 class HealthSettings:
     interval_s: float = 1.0
     timeout_s: float = 2.0
-
-
-class ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; if the client leaves first, cancel it (closing its upstream connection)."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            raise ClientGone()
-        return task.result()
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
 
 
 class _RelayedStream(StreamingResponse):
@@ -148,10 +123,10 @@ def create_app(orch: Orchestrator, health: HealthSettings = HealthSettings(), ap
         headers = {"x-request-id": request_id}
         try:
             body = await _client_body(request)
-            prepared = await unless_disconnected(request, orch.prepare(kind, body, request_id))
+            prepared = await unless_disconnected(request.receive, orch.prepare(kind, body, request_id))
             if not body.get("stream"):
-                return JSONResponse(await unless_disconnected(request, orch.batch(prepared)), headers=headers)
-            member, upstream = await unless_disconnected(request, orch.open_stream(prepared))
+                return JSONResponse(await unless_disconnected(request.receive, orch.batch(prepared)), headers=headers)
+            member, upstream = await unless_disconnected(request.receive, orch.open_stream(prepared))
         except UpstreamError as e:
             return JSONResponse(e.body, status_code=e.status, headers=headers)
         except ClientGone:

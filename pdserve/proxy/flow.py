@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 import httpx
 
+from pdserve.output.surfaces import ChatSurface, CompletionsSurface, TokensSurface
+from pdserve.protocol.generate import OutputMode
 from pdserve.protocol.sse import DONE, sse_event
 from pdserve.proxy import relay
 from pdserve.proxy.legs import decode_body, prefill_body
@@ -32,7 +34,6 @@ Kind = Literal["chat", "completions"]
 GENERATE = "/inference/v1/generate"
 RENDER_PATH = {"chat": "/v1/chat/completions/render", "completions": "/v1/completions/render"}
 DERENDER_PATH = {"chat": "/v1/chat/completions/derender", "completions": "/v1/completions/derender"}
-CHUNK_OBJECT = {"chat": "chat.completion.chunk", "completions": "text_completion"}
 
 
 class ClientRequestError(UpstreamError):
@@ -125,10 +126,11 @@ class Orchestrator:
         _, prefilled = await self._timed("prefill", self.prefill, GENERATE, prefill_body(rendered), headers)
         return Prepared(kind, body, rendered, headers, prefilled.get("kv_transfer_params"))
 
-    def _decode_mode(self, kind: Kind) -> Literal["tokens", "text", "derender"]:
+    def _decode_mode(self, kind: Kind) -> OutputMode:
+        """The decode leg's output mode: ids for ``/derender``, else what the client's surface shows."""
         if self.mode == "derender-tier":
-            return "tokens"
-        return "derender" if kind == "chat" else "text"
+            return TokensSurface.output_mode
+        return (ChatSurface if kind == "chat" else CompletionsSurface).output_mode
 
     def _model(self, member: Member, p: Prepared) -> str:
         return member.model or self.decode.model or p.body.get("model") or "pdserve"
@@ -141,14 +143,16 @@ class Orchestrator:
         model = self._model(member, p)
         if self.mode == "derender-tier":
             return await self._derender_batch(p, response, model)
+        surface = self._surface(p, model)
+        if isinstance(surface, ChatSurface):
+            return relay.chat_response(surface, response, p.prompt_token_ids)
+        return relay.completion_response(surface, response, p.prompt_token_ids)
+
+    def _surface(self, p: Prepared, model: str) -> relay.Surface:
+        """The client's response surface, the coupled endpoint's."""
         if p.kind == "chat":
-            return relay.chat_response(
-                response["choices"], response.get("usage"), p.response_id, model, p.return_token_ids,
-                p.prompt_token_ids, response.get("kv_transfer_params"),
-            )
-        return relay.completion_response(
-            response, p.response_id, model, p.return_token_ids, p.completion_logprobs, p.prompt_token_ids
-        )
+            return relay.chat_surface(p.response_id, model, p.n, p.return_token_ids)
+        return relay.completions_surface(p.response_id, model, p.return_token_ids, p.completion_logprobs)
 
     async def _derender_batch(self, p: Prepared, response: dict[str, Any], model: str) -> dict[str, Any]:
         prompt, n_prompt = p.prompt_token_ids, len(p.prompt_token_ids)
@@ -174,19 +178,18 @@ class Orchestrator:
         on the decode server."""
         model = self._model(member, p)
         start = time.perf_counter()
-        convert = self._converter(p, model)
+        surface = self._surface(p, model)
+        convert = self._converter(p, surface)
         try:
-            if p.kind == "chat":
-                for chunk in relay.chat_opening_chunks(p.response_id, model, p.n):
-                    yield sse_event(chunk)
+            for chunk in surface.opening():
+                yield sse_event(chunk)
             async for chunk in _generate_chunks(self.decode, member, response):
                 if "error" in chunk:
                     yield sse_event(chunk)
                     break
                 if not chunk.get("choices"):
                     if chunk.get("usage") is not None:
-                        yield sse_event(relay.final_usage_chunk(CHUNK_OBJECT[p.kind], p.response_id, model,
-                                                                chunk["usage"]))
+                        yield sse_event(relay.usage_chunk(surface, chunk["usage"]))
                     continue
                 out = await convert(chunk)
                 if out is not None:
@@ -198,15 +201,12 @@ class Orchestrator:
             self.metrics.leg_seconds.labels("decode").observe(time.perf_counter() - start)
         yield DONE
 
-    def _converter(self, p: Prepared, model: str) -> Callable[[dict[str, Any]], Any]:
+    def _converter(self, p: Prepared, surface: relay.Surface) -> Callable[[dict[str, Any]], Any]:
         """chunk -> the client's chunk (or None): inline relays, derender-tier asks ``/derender`` first."""
-        completions = relay.CompletionChunks(p.response_id, model, p.return_token_ids, p.completion_logprobs)
         states: dict[int, Any] = {}
 
         async def inline(chunk: dict[str, Any]) -> dict[str, Any] | None:
-            if p.kind == "chat":
-                return relay.chat_chunk(chunk["choices"], chunk.get("usage"), p.response_id, model, p.return_token_ids)
-            return completions.chunk(chunk["choices"][0])
+            return relay.chunk(surface, chunk)
 
         async def derendered(chunk: dict[str, Any]) -> dict[str, Any] | None:
             index = chunk["choices"][0]["index"]
@@ -216,13 +216,9 @@ class Orchestrator:
                                           request | p.derender_request(), p.headers)
             states[index] = answer["stream_state"]
             out = answer["chunk"]
-            if p.kind == "chat":
-                return relay.chat_chunk(out["choices"], out.get("usage"), p.response_id, model, p.return_token_ids)
-            sent = out["choices"][0] if out["choices"] else {}
-            # The coupled endpoint's rule: a step is sent when it has text, a finish or ids behind it.
-            if not (sent.get("text") or sent.get("finish_reason") or chunk["choices"][0].get("token_ids")):
-                return None
-            return relay.renamed(out, p.response_id, model)
+            if isinstance(surface, ChatSurface):
+                return relay.chunk(surface, out)
+            return relay.derendered_completion(surface, chunk, out)
 
         return inline if self.mode == "inline" else derendered
 

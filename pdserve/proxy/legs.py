@@ -9,9 +9,9 @@ client asked for it, plus the prefill's ``kv_transfer_params`` (opaque, relayed 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-DecodeMode = Literal["tokens", "text", "derender"]
+from pdserve.protocol.generate import OutputMode, parses_message
 
 # vLLM 0.33's NixlConnector: what a router asks the prefill side for.
 PREFILL_KV_PARAMS: dict[str, Any] = {"do_remote_decode": True}
@@ -43,10 +43,10 @@ def prefill_body(rendered: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-def decode_body(rendered: dict[str, Any], mode: DecodeMode, kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+def decode_body(rendered: dict[str, Any], mode: OutputMode, kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
     """The decode leg: the rendered request in ``mode`` with the prefill's ``kv_transfer_params`` as
     they came back (``None`` when the prefill returned none: the decode server then prefills itself)."""
-    dropped = () if mode == "derender" else DERENDER_ONLY_FIELDS
+    dropped = () if parses_message(mode) else DERENDER_ONLY_FIELDS
     body = {k: v for k, v in rendered.items() if k not in dropped}
     body["output_mode"] = mode
     body["kv_transfer_params"] = kv_transfer_params

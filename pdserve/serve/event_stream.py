@@ -27,6 +27,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from pdserve.serve.inflight import StreamWatch
+from pdserve.web.disconnect import until_disconnect
 
 if TYPE_CHECKING:
     from pdserve.output.request_state import ChoiceUpdate
@@ -129,9 +130,3 @@ class EventStreamResponse(Response):
             await send_body({"type": "http.response.body", "body": body, "more_body": True})
             watch.sending_since = None
         await send_body({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def until_disconnect(receive: Receive) -> None:
-    """Returns once the client has gone (every message before that is the request's, already read)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass

@@ -1,4 +1,6 @@
-"""Responses for prepared requests: run to completion (batch) or as merged update streams (SSE).
+"""Responses for prepared requests: the one stream runner, :func:`respond`, runs any response surface
+(pdserve.output.surfaces) to completion (batch) or as merged update streams (SSE), with the direct writes
+from the engine's dispatch, usage and per-request metrics.
 
 Both paths tie the engine requests to the client connection: a client that
 goes away cancels the drivers, whose cleanup aborts the engine requests.
@@ -15,20 +17,90 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from pdserve.engine.api import EngineError
+from pdserve.output.policy import usage_of
 from pdserve.output.request_state import ChoiceUpdate, RequestState
+from pdserve.output.surfaces import Surface
 from pdserve.protocol.engine import EngineRequest
 from pdserve.protocol.errors import RequestError
-from pdserve.protocol.sse import DONE, sse_event
+from pdserve.protocol.openai import UsageInfo
+from pdserve.protocol.sse import DONE, sse_event, sse_event_bytes
 from pdserve.serve.driver import Outlet, drive
-from pdserve.serve.event_stream import DirectBody, EventStreamResponse, until_disconnect
+from pdserve.serve.event_stream import DirectBody, DirectEvents, EventStreamResponse
 from pdserve.serve.http.errors import engine_error_body, error_body
 from pdserve.serve.http.handlers import logger, report_stream_error
 from pdserve.serve.inflight import Prepared, StreamWatch
 from pdserve.serve.state import AppState
+from pdserve.web.disconnect import ClientGone, unless_disconnected
 
 
-class ClientGone(Exception):
-    """The client disconnected before the response was ready."""
+async def respond(request: Request, state: AppState, prepared: Sequence[Prepared], surface: Surface,
+                  stream: bool) -> Response:
+    """Answer ``prepared`` (one client request's engine requests) on ``surface``: a batch answer, or an SSE
+    stream of the surface's opening, a chunk per update that carries one, and its closing. Counted under
+    the surface's labels."""
+    states = [rstate for _, rstate in prepared]
+    per_request_metrics = state.config.enable_per_request_metrics
+    if not stream:
+        def answer() -> BaseModel:
+            metrics = states[0].metrics() if per_request_metrics and len(states) == 1 else None
+            return surface.batch(states, total_usage(states), metrics)
+
+        return await respond_batch(request, state, prepared, surface.labels, answer)
+    direct = DirectBody()
+    return respond_stream(state, surface.labels, prepared, _events(state, prepared, surface, direct), direct)
+
+
+def total_usage(states: Sequence[RequestState]) -> UsageInfo:
+    """Usage summed over a client request's engine requests (completions' prompts)."""
+    prompt_tokens = sum(len(s.config.prompt_token_ids) for s in states)
+    return usage_of(prompt_tokens, sum(s.completion_tokens for s in states))
+
+
+class _StreamEvents:
+    """One stream's events, update by update: used by the stream's own loop and by the direct writes from
+    the engine's dispatch alike (serve.driver), so both give the same bytes."""
+
+    __slots__ = ("tokens_out", "states", "surface", "continuous", "metrics_of")
+
+    def __init__(self, state: AppState, states: Sequence[RequestState], surface: Surface) -> None:
+        self.tokens_out = state.metrics.tokens_out
+        self.states = states
+        self.surface = surface
+        self.continuous = surface.continuous_usage
+        # Per-request timing rides on the last chunk, when enabled and there is one request (as vLLM: a
+        # multi-prompt completions request is several requests, with no one timing).
+        self.metrics_of = states[0] if state.config.enable_per_request_metrics and len(states) == 1 else None
+
+    def event(self, k: int, update: ChoiceUpdate) -> bytes | None:
+        self.tokens_out.inc(len(update.token_ids))
+        surface = self.surface
+        if not surface.carries(update):
+            return None
+        rstate = self.states[k]
+        usage = None
+        if self.continuous:
+            usage = usage_of(len(rstate.config.prompt_token_ids), len(rstate.choices[update.index].token_ids))
+        timed = self.metrics_of
+        metrics = timed.metrics() if timed is not None and timed.finished else None
+        return sse_event_bytes(surface.build(update, usage, metrics, k))
+
+    def first(self, update: ChoiceUpdate) -> bytes | None:
+        """:meth:`event` of the first (the only) request: the direct writes' event."""
+        return self.event(0, update)
+
+
+async def _events(state: AppState, prepared: Sequence[Prepared], surface: Surface,
+                  direct: DirectBody) -> AsyncIterator[str | bytes]:
+    states = [rstate for _, rstate in prepared]
+    events = _StreamEvents(state, states, surface)
+    for chunk in surface.opening():
+        yield sse_event(chunk)
+    async for k, update in merged_updates(state, prepared, DirectEvents(direct, events.first)):
+        event = events.event(k, update)
+        if event is not None:
+            yield event
+    for chunk in surface.closing(total_usage(states)):
+        yield sse_event(chunk)
 
 
 async def run_batch(request: Request, state: AppState, prepared: Sequence[Prepared]) -> None:
@@ -39,18 +111,7 @@ async def run_batch(request: Request, state: AppState, prepared: Sequence[Prepar
         async for update in drive(engine, ereq, rstate):
             state.metrics.tokens_out.inc(len(update.token_ids))
 
-    work = asyncio.ensure_future(asyncio.gather(*(collect(e, r) for e, r in prepared)))
-    gone = asyncio.ensure_future(until_disconnect(request.receive))
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            raise ClientGone()
-        work.result()
-    finally:
-        gone.cancel()
-        if not work.done():
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
+    await unless_disconnected(request.receive, asyncio.gather(*(collect(e, r) for e, r in prepared)))
 
 
 async def respond_batch(

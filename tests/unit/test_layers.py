@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "pdserve"
 
-_BELOW_SERVE = frozenset({"protocol", "text", "parsers", "engine", "checkpoints", "output"})
+_BELOW_SERVE = frozenset({"protocol", "text", "parsers", "engine", "checkpoints", "output", "web"})
 LAYERS: dict[str, frozenset[str]] = {
     "protocol": frozenset(),  # wire types only
     # Where model files come from (weights, GGUF conversion, tokenizer files, model-dir facts such as
@@ -44,6 +44,8 @@ LAYERS: dict[str, frozenset[str]] = {
     "parsers": frozenset({"protocol", "text"}),
     "engine": frozenset({"protocol", "checkpoints"}),  # token ids in, token ids out: never text
     "output": frozenset({"protocol", "text", "parsers"}),
+    # HTTP pieces the server and the proxy share (the client-disconnect race): below both, above nothing.
+    "web": frozenset(),
     "serve": _BELOW_SERVE,
     "proxy": _BELOW_SERVE,
     # ``pdserve up``: plans and supervises server processes (the proxy's mode names); its process launcher

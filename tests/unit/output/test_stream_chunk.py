@@ -13,10 +13,9 @@ import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.output.generate_builders import stream_chunk
-from pdserve.output.openai_builders import chat_chunk
 from pdserve.output.policy import assistant_delta
 from pdserve.output.request_state import ChoiceState, ChoiceUpdate, OutputConfig, RequestState
+from pdserve.output.surfaces import ChatSurface, generate_surface
 from pdserve.parsers import ChatParser, ParserConfig
 from pdserve.protocol.engine import EngineOutput, PositionLogprobs
 from pdserve.protocol.generate import (
@@ -181,9 +180,10 @@ def test_plain_chunks_equal_the_models_dump(mode: str, pieces: list[str], finish
         skip_special_tokens=mode != "derender", want_logprobs=top is not None, top_logprobs_limit=top,
     )
     usage, metrics = usage_and_metrics(ids, with_usage, with_metrics)
+    surface = generate_surface(mode)(state.request_id, "m", want_logprobs=top is not None)  # type: ignore[arg-type]
     first = True
     for update, reference_update in twin_updates(state, reference_state, ids, top, finish, stop_reason):
-        fast = stream_chunk(state, update, usage, first_for_choice=first, metrics=metrics)
+        fast = surface.build(update, usage, metrics)
         reference = model_stream_chunk(reference_state, reference_update, usage, first_for_choice=first,
                                        metrics=metrics)
         # What goes on the wire: same keys, same order, same values.
@@ -205,7 +205,7 @@ def test_plain_chunks_equal_the_models_dump(mode: str, pieces: list[str], finish
 def test_plain_chat_chunks_equal_the_models_dump(pieces: list[str], finish: str, stop_reason: int | None,
                                                  with_usage: bool, with_metrics: bool, return_ids: bool, parsed: bool,
                                                  top: int | None, encoded: bool) -> None:
-    """The coupled chat stream's chunk (openai_builders.chat_chunk) against the models."""
+    """The coupled chat stream's chunk (ChatSurface.build) against the models."""
     ids = TOK.encode("".join(pieces))
     factory = (lambda: ChatParser(PARSERS, TOK, CHAT, PROMPT)) if parsed else None
     state, reference_state = twin_states(
@@ -214,9 +214,11 @@ def test_plain_chat_chunks_equal_the_models_dump(pieces: list[str], finish: str,
         skip_special_tokens=False, want_logprobs=top is not None, top_logprobs_limit=top,
     )
     usage, metrics = usage_and_metrics(ids, with_usage, with_metrics)
+    surface = ChatSurface("chatcmpl-x", "m", return_token_ids=return_ids)
     for update, reference_update in twin_updates(state, reference_state, ids, top, finish, stop_reason):
         assert update.has_logprob_entries == reference_update.has_logprob_entries
-        fast = chat_chunk(state.choices[0], update, "chatcmpl-x", "m", return_ids, usage, metrics=metrics)
+        assert update.hides_metadata == state.choices[0].hides_metadata
+        fast = surface.build(update, usage, metrics)
         reference = model_chat_chunk(reference_state.choices[0], reference_update, "chatcmpl-x", "m", return_ids,
                                      usage, metrics=metrics)
         reference["created"] = fast["created"]  # a clock read apart

@@ -1,0 +1,1 @@
+"""Small pieces of HTTP handling that the server (``serve/``) and the proxy (``proxy/``) share."""
