@@ -14,7 +14,7 @@ from pdserve.text.logprobs import TokenLogprobs
 
 def chat_response(
     choices: Sequence[ChoiceState], response_id: str, model: str, usage: UsageInfo, return_token_ids: bool, *,
-    prompt_token_ids: Sequence[int] | None = None, kv_transfer_params: dict | None = None,
+    prompt_token_ids: Sequence[int] | None = None, kv_transfer_params: dict[str, Any] | None = None,
     echoed_token_ids: Sequence[Sequence[int] | None] | None = None, metrics: dict[str, Any] | None = None,
 ) -> ChatCompletionResponse:
     """The batch chat response (:meth:`ChatSurface.answer`)."""
@@ -27,7 +27,7 @@ def chat_chunk(
     choice_state: ChoiceState, update: ChoiceUpdate, response_id: str, model: str, return_token_ids: bool,
     usage: UsageInfo | None, logprobs: list[TokenLogprobs] | None = None,
     metrics: dict[str, Any] | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """One chat chunk (:meth:`ChatSurface.build`). ``logprobs``: entries the caller decoded itself
     (stateless derender decodes a chunk's own ids); by default the update's."""
     if logprobs is not None:
@@ -47,7 +47,7 @@ def completion_response(
 def completion_chunk(
     update: ChoiceUpdate, index: int, text_offset: int, response_id: str, model: str, return_token_ids: bool,
     usage: UsageInfo | None, metrics: dict[str, Any] | None = None,
-) -> dict:
+) -> dict[str, Any]:
     surface = CompletionsSurface(response_id, model, return_token_ids=return_token_ids)
     return surface.choice_chunk(update, index, text_offset, usage, metrics)
 

@@ -247,7 +247,7 @@ class RequestState:
         self.config = config
         self.choices = [ChoiceState(i, config) for i in range(n)]
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
-        self.kv_transfer_params: dict | None = None
+        self.kv_transfer_params: dict[str, Any] | None = None
         self.timing = RequestTiming()  # for --enable-per-request-metrics
         live.request_states.add(self)
 

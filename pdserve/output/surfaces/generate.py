@@ -123,7 +123,7 @@ class TokensSurface(GenerateSurface):
     def payload(self, step: Step, first_for_choice: bool) -> tuple[dict[str, Any], dict[str, Any] | None, bool]:
         logprobs = None
         if self.want_logprobs and step.logprobs is not None:
-            logprobs = {"content": msgspec.Raw(generate_content_json(step.logprobs, step.token_ids))}
+            logprobs = {"content": msgspec.Raw(generate_content_json(step.logprobs, step.token_ids or ()))}
         return {}, logprobs, False
 
     def batch_choice(self, choice: ChoiceState) -> GenerateTokensChoice:
@@ -179,7 +179,7 @@ class DerenderSurface(GenerateSurface):
 
 
 GENERATE_SURFACES: dict[OutputMode, type[GenerateSurface]] = {
-    surface.output_mode: surface for surface in (TokensSurface, TextSurface, DerenderSurface)  # type: ignore[misc]
+    surface.output_mode: surface for surface in (TokensSurface, TextSurface, DerenderSurface)
 }
 
 

@@ -125,7 +125,7 @@ class ChatSurface(Surface):
             logprobs = ChatCompletionLogProbs(content=list(entries)) if entries is not None and not hide else None
             token_ids = c.token_ids if echoed_token_ids is None else echoed_token_ids[k]
             out.append(ChatCompletionResponseChoice(
-                index=c.index, message=message, logprobs=logprobs, finish_reason=finish,  # type: ignore[arg-type]
+                index=c.index, message=message, logprobs=logprobs, finish_reason=finish,
                 stop_reason=c.stop_reason, token_ids=token_ids if self.return_token_ids and not hide else None,
             ))
         return ChatCompletionResponse(
@@ -199,7 +199,7 @@ class CompletionsSurface(Surface):
     def answer(self, groups: Sequence[Sequence[Finished]], usage: UsageInfo,
                metrics: dict[str, Any] | None = None) -> CompletionResponse:
         """Choices of every prompt (one group per prompt), renumbered 0..N-1."""
-        choices = []
+        choices: list[CompletionResponseChoice] = []
         for group in groups:
             for c in group:
                 entries = c.logprob_entries

@@ -18,21 +18,42 @@ from pdserve.protocol.openai import ChatMessage, DeltaMessage, StreamDelta, Text
 
 
 class Step(Protocol):
-    """One choice's step of a stream."""
+    """One choice's step of a stream (read-only, so a source may narrow a type: ``token_ids`` always there,
+    ``logprobs_json`` never)."""
 
-    index: int
-    token_ids: list[int] | None
-    text: str
-    delta: StreamDelta | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    # The choice hides reasoning, so its ids and logprobs are withheld (the parser decides).
-    hides_metadata: bool
-    # Generate ``tokens``: engine positions; the decoded levels: chat-shape entries (structs or dicts),
-    # or the same entries as JSON written ahead.
-    logprobs: Any
-    decoded_logprobs: Sequence[Any] | None
-    logprobs_json: bytes | None
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def token_ids(self) -> list[int] | None: ...
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def delta(self) -> StreamDelta | None: ...
+
+    @property
+    def finish_reason(self) -> str | None: ...
+
+    @property
+    def stop_reason(self) -> int | str | None: ...
+
+    @property
+    def hides_metadata(self) -> bool:
+        """The choice hides reasoning, so its ids and logprobs are withheld (the parser decides)."""
+
+    @property
+    def logprobs(self) -> Any:
+        """Generate ``tokens``: engine positions."""
+
+    @property
+    def decoded_logprobs(self) -> Sequence[Any] | None:
+        """The decoded levels: chat-shape entries (structs or dicts)."""
+
+    @property
+    def logprobs_json(self) -> bytes | None:
+        """The same entries as JSON written ahead."""
 
     @property
     def finished(self) -> bool: ...
