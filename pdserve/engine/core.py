@@ -40,7 +40,7 @@ import msgspec
 import zmq
 
 from pdserve.engine.api import EngineError
-from pdserve.engine.coalesce import OutputCoalescer
+from pdserve.engine.coalesce import StreamIntervals
 from pdserve.engine.factory import build_core
 from pdserve.engine.messages import (
     AbortRequests,
@@ -184,7 +184,7 @@ class CoreServer:
         self.owners: dict[str, bytes] = {}  # request id -> the client that added it
         self.pending: dict[bytes, StepOutputs] = {}  # this turn's batch per client
         # Requests streamed with a stream interval above 1: their outputs wait here for a full chunk.
-        self.held: dict[str, OutputCoalescer] = {}
+        self.held = StreamIntervals()
         self.steps = 0
         self._last_step = -math.inf
 
@@ -263,28 +263,18 @@ class CoreServer:
             self._batch(identity).failed.append(RequestFailed(rid, text))
             return
         self.owners[rid] = identity
-        if message.request.stream_interval > 1:
-            self.held[rid] = OutputCoalescer(message.request.stream_interval)
+        self.held.add(message.request)
 
     def route(self, batch: StepOutputs) -> None:
-        """Split one turn's outputs by the client that owns each request."""
+        """Split what of one turn's outputs goes out now by the client that owns each request."""
+        batch = self.held.release(batch)
         for output in batch.outputs:
-            owner = self.owners.get(output.request_id)
-            if owner is None:
-                continue
-            coalescer = self.held.get(output.request_id)
-            if coalescer is None:
+            if (owner := self.owners.get(output.request_id)) is not None:
                 self._batch(owner).outputs.append(output)
-            elif released := coalescer.push(output):
-                self._batch(owner).outputs.extend(released)
-        # A finished request has released everything (each sequence's end is released at once); what a
-        # sequence the frontend stopped itself still held is past its stop string.
         for rid in batch.finished:
-            self.held.pop(rid, None)
             if (owner := self.owners.pop(rid, None)) is not None:
                 self._batch(owner).finished.append(rid)
         for failure in batch.failed:
-            self.held.pop(failure.request_id, None)
             if (owner := self.owners.pop(failure.request_id, None)) is not None:
                 self._batch(owner).failed.append(failure)
 

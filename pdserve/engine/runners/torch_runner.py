@@ -30,6 +30,7 @@ from pdserve.checkpoints.model_dir import model_eos_ids
 from pdserve.checkpoints.resolve import model_display_name, resolve_model
 from pdserve.engine.api import EngineDeadError, EngineError
 from pdserve.engine.channels import OutputChannels, Sink
+from pdserve.engine.coalesce import StreamIntervals
 from pdserve.engine.kv.handoff import KVHandoff
 from pdserve.engine.kv.peers import PeerDirectory
 from pdserve.engine.kv.pool import KVBlockPool
@@ -240,6 +241,7 @@ class TorchEngine:
             loaded.set_exception(exc)
             return
         loaded.set_result(steps)
+        held = StreamIntervals()  # requests streamed with a stream interval: outputs held per chunk
         try:
             while True:
                 command = self._next_command(wait_s=None if steps.has_work() else IDLE_POLL_S)
@@ -247,11 +249,13 @@ class TorchEngine:
                     if isinstance(command, Shutdown):
                         return
                     apply(steps, command)
+                    if isinstance(command, AddRequest):
+                        held.add(command.request)
                     command = self._next_command()
                 steps.poll()
                 if steps.has_work():
                     steps.step()
-                self._publish(steps.take_outputs())
+                self._publish(held.release(steps.take_outputs()))
                 self._stats = steps.stats()
         except Exception as exc:  # any failure kills the engine loudly, never silently
             log.exception("torch engine loop failed; the engine is dead")
