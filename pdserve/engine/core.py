@@ -64,7 +64,7 @@ HEARTBEAT_INTERVAL_S = 0.5
 log = logging.getLogger(__name__)
 
 
-# -- starting and supervising the core process ------------------------------------------
+# -- where clients find the core ----------------------------------------------------------
 
 
 class EngineCoreAddresses(msgspec.Struct, frozen=True):
@@ -95,9 +95,10 @@ class EngineCoreHandle:
 
 
 def start_engine_core(spec: EngineSpec, *, ready_timeout: float = 600.0) -> EngineCoreHandle:
-    """Spawn a core process serving ``build_engine(spec)`` and wait until it accepts clients.
+    """Spawn a core process that drives the step loop ``build_core(spec)`` and wait until it accepts clients.
 
-    Raises :class:`EngineError` with the core's traceback if it fails to start.
+    The core loads its model before it answers, so this returns once the model is loaded (or after
+    ``ready_timeout`` seconds). Raises :class:`EngineError` with the core's traceback if it fails to start.
     """
     run_dir = tempfile.mkdtemp(prefix="pdserve-core-")
     addresses = EngineCoreAddresses(endpoint=f"ipc://{run_dir}/engine.sock")
