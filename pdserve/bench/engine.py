@@ -1,8 +1,9 @@
 """Engine speed on a real model: decode tokens/s at batch 1 and 8, and TTFT of a 512-token prompt.
 
 It drives the Engine protocol directly, without HTTP. It measures the in-process
-:class:`TorchEngine` and, when asked, the same engine behind its core process
-(:class:`EngineCoreClient` over ZMQ). The two rows show what the process boundary costs.
+:class:`TorchEngine` (the engine loop on a thread, over an ``inproc://`` socket) and, when asked,
+the same loop in its core process (:class:`EngineCoreClient` over ipc). Both rows run one loop,
+``CoreServer``; they show what the process boundary costs.
 The engines run one after the other, so they never share the CPUs.
 """
 

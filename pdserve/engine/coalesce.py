@@ -5,21 +5,25 @@ server's). A sequence's outputs are held and folded into one until N tokens have
 up to and including the first that carries a token, and the one that finishes it, are released at once
 (so time to first token and the end are never delayed).
 
-It runs in two places. The engine core holds each request's outputs before they go to the frontend
-(:mod:`pdserve.engine.core`), so the API process is woken once per chunk, not once per step; and the
-frontend's driver (:mod:`pdserve.serve.driver`) folds again before the request state, for engines that
-run in its own process (an already folded stream passes through unchanged). Either way the detokenizer,
-the parsers and the chunk builders run once per chunk with the whole delta (as they do for any
-multi-token step). The price: a stop string is found when its chunk reaches the frontend, so the engine
-may run up to N - 1 tokens past it before it is told to stop; those are cut from the answer like any
-text after a stop string.
+It runs in one place, the engine: a request's outputs are held before they leave the engine's loop
+(:class:`StreamIntervals`, in the engine core's :mod:`pdserve.engine.core` and the in-process torch
+engine's thread; the in-process scripted engine folds its request's iterator; the vLLM engine passes
+the interval to vLLM, whose output processor holds the steps in between). The API process is then
+woken once per chunk, not once per step, and the frontend's driver (:mod:`pdserve.serve.driver`)
+forwards what it gets: the detokenizer, the parsers and the chunk builders run once per chunk with
+the whole delta (as they do for any multi-token step).
+
+The price: a stop string is found when its chunk reaches the frontend, so the engine may run up to
+N - 1 tokens past it before it is told to stop; those are cut from the answer like any text after a
+stop string.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from pdserve.protocol.engine import EngineOutput, PositionLogprobs
+from pdserve.engine.messages import StepOutputs
+from pdserve.protocol.engine import EngineOutput, EngineRequest, PositionLogprobs
 
 
 class OutputCoalescer:
@@ -60,6 +64,40 @@ class OutputCoalescer:
         held = self._held.pop(index)
         del self._held_tokens[index]
         return held[0] if len(held) == 1 else folded(held)
+
+
+class StreamIntervals:
+    """The held outputs of every request streamed with an interval above 1, over a loop's step batches."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, OutputCoalescer] = {}
+
+    def add(self, request: EngineRequest) -> None:
+        """A request entered the loop: hold its outputs when it asks for chunks of more than one token."""
+        if request.stream_interval > 1:
+            self._held[request.request_id] = OutputCoalescer(request.stream_interval)
+
+    def release(self, batch: StepOutputs) -> StepOutputs:
+        """What of one step's batch goes out now: every output of a request without an interval, and a
+        held request's outputs once its chunk is due. A request that ended is forgotten: each sequence's
+        end is released at once, and what a sequence the frontend stopped itself still held is past its
+        stop string."""
+        held = self._held
+        if not held:
+            return batch
+        outputs: list[EngineOutput] = []
+        for output in batch.outputs:
+            coalescer = held.get(output.request_id)
+            if coalescer is None:
+                outputs.append(output)
+            else:
+                outputs.extend(coalescer.push(output))
+        for rid in batch.finished:
+            held.pop(rid, None)
+        for failure in batch.failed:
+            held.pop(failure.request_id, None)
+        batch.outputs = outputs
+        return batch
 
 
 def _has_logprobs(out: EngineOutput) -> bool | None:

@@ -7,11 +7,9 @@ core binds one ZMQ ROUTER socket (ipc, under a private temp dir); each frontend'
 client added a request and routes its outputs back there, while an abort or stop from *any*
 client works by request id. Messages are the msgspec Structs of :mod:`pdserve.engine.messages`.
 
-The loop (:class:`CoreServer`): drain the socket's inbox, run one ``step()`` of the step loop
-(:func:`~pdserve.engine.factory.build_core`), send each client **one** ``StepOutputs`` with
-everything that turn produced for it. No per-request task, queue or iterator lives here. A request
-streamed with a stream interval has its outputs held until a chunk is due (:mod:`pdserve.engine.coalesce`),
-so a frontend is not woken for steps it would not send.
+The loop is :class:`~pdserve.engine.core_server.CoreServer` (``core_server.py``), over the step loop
+:func:`~pdserve.engine.factory.build_core` returns: the one engine loop, which an in-process engine
+runs on a thread over an ``inproc://`` socket instead (:mod:`pdserve.engine.inproc`).
 
 Supervision: :func:`start_engine_core` spawns the core and waits for its handshake;
 clients learn the core's pid and ``EngineInfo`` on connect and receive a heartbeat with
@@ -23,8 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import logging
-import math
 import multiprocessing
 import os
 import shutil
@@ -34,44 +30,15 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
 
 import msgspec
 import zmq
 
 from pdserve.engine.api import EngineError
-from pdserve.engine.coalesce import OutputCoalescer
+from pdserve.engine.core_server import HEARTBEAT_INTERVAL_S, CoreServer, EngineCoreAddresses
 from pdserve.engine.factory import build_core
-from pdserve.engine.messages import (
-    AbortRequests,
-    AddRequest,
-    ClientMessage,
-    CoreDead,
-    Goodbye,
-    Heartbeat,
-    Hello,
-    Ready,
-    RequestFailed,
-    StepOutputs,
-    StopSequence,
-)
 from pdserve.engine.spec import EngineSpec
-from pdserve.engine.stepping import StepCore
-from pdserve.protocol.engine import ABORT_BY_CLIENT, EngineInfo
-
-HEARTBEAT_INTERVAL_S = 0.5
-
-log = logging.getLogger(__name__)
-
-
-# -- starting and supervising the core process ------------------------------------------
-
-
-class EngineCoreAddresses(msgspec.Struct, frozen=True):
-    """Where clients find a core (picklable/serialisable, handed to frontend processes)."""
-
-    endpoint: str
-
+from pdserve.protocol.engine import EngineInfo
 
 # -- starting and supervising the core process ------------------------------------------
 
@@ -95,9 +62,10 @@ class EngineCoreHandle:
 
 
 def start_engine_core(spec: EngineSpec, *, ready_timeout: float = 600.0) -> EngineCoreHandle:
-    """Spawn a core process serving ``build_engine(spec)`` and wait until it accepts clients.
+    """Spawn a core process that drives the step loop ``build_core(spec)`` and wait until it accepts clients.
 
-    Raises :class:`EngineError` with the core's traceback if it fails to start.
+    The core loads its model before it answers, so this returns once the model is loaded (or after
+    ``ready_timeout`` seconds). Raises :class:`EngineError` with the core's traceback if it fails to start.
     """
     run_dir = tempfile.mkdtemp(prefix="pdserve-core-")
     addresses = EngineCoreAddresses(endpoint=f"ipc://{run_dir}/engine.sock")
@@ -173,136 +141,4 @@ def run_engine_core(spec: EngineSpec, addresses: EngineCoreAddresses, ready: Con
         ctx.term()
 
 
-class CoreServer:
-    """Drains client messages into the step loop and sends each client one batch per turn."""
-
-    def __init__(self, core: StepCore, sock: zmq.Socket[Any], parent_pid: int) -> None:
-        self.core, self.sock, self.parent_pid = core, sock, parent_pid
-        self.encoder = msgspec.msgpack.Encoder()
-        self.decoder = msgspec.msgpack.Decoder(ClientMessage)
-        self.clients: set[bytes] = set()
-        self.owners: dict[str, bytes] = {}  # request id -> the client that added it
-        self.pending: dict[bytes, StepOutputs] = {}  # this turn's batch per client
-        # Requests streamed with a stream interval above 1: their outputs wait here for a full chunk.
-        self.held: dict[str, OutputCoalescer] = {}
-        self.steps = 0
-        self._last_step = -math.inf
-
-    def serve(self) -> None:
-        """Run until the parent process is gone or a step fails."""
-        next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
-        while True:
-            try:
-                self.turn(self._wait_s(next_beat))
-            except Exception:  # a failed step kills the engine loudly, never silently
-                log.exception("engine core step failed; the engine is dead")
-                self.flush()
-                self._broadcast(CoreDead("the engine loop died; see the engine core's log"))
-                return
-            if time.monotonic() >= next_beat:
-                next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
-                if os.getppid() != self.parent_pid:
-                    return
-                self._broadcast(Heartbeat(self.core.stats()))
-
-    def turn(self, wait_s: float) -> None:
-        """One turn: drain the inbox (waiting up to ``wait_s`` for its first message), step, send."""
-        self.receive(wait_s)
-        self.core.poll()
-        if self.core.has_work() and time.monotonic() - self._last_step >= self.core.pace_s:
-            self._last_step = time.monotonic()
-            self.core.step()
-            self.steps += 1
-        self.route(self.core.take_outputs())
-        self.flush()
-
-    def _wait_s(self, next_beat: float) -> float:
-        now = time.monotonic()
-        if self.core.has_work():
-            return max(0.0, self._last_step + self.core.pace_s - now)
-        return max(0.0, next_beat - now)
-
-    def receive(self, wait_s: float) -> None:
-        if not self.sock.poll(int(wait_s * 1000)):
-            return
-        while True:
-            try:
-                identity, payload = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                message = self.decoder.decode(payload)
-            except msgspec.DecodeError:
-                continue  # not one of ours; never let a bad frame take the core down
-            self.handle(identity, message)
-
-    def handle(self, identity: bytes, message: ClientMessage) -> None:
-        if isinstance(message, Hello):
-            self.clients.add(identity)
-            self._send(identity, Ready(info=self.core.info, pid=os.getpid()))
-        elif isinstance(message, AddRequest):
-            self._add(identity, message)
-        elif isinstance(message, AbortRequests):
-            self.core.abort(message.request_ids, message.cause)
-        elif isinstance(message, StopSequence):
-            self.core.stop_sequence(message.request_id, message.index)
-        elif isinstance(message, Goodbye):
-            self.clients.discard(identity)
-            self.core.abort([rid for rid, owner in self.owners.items() if owner == identity], ABORT_BY_CLIENT)
-
-    def _add(self, identity: bytes, message: AddRequest) -> None:
-        rid = message.request.request_id
-        if rid in self.owners:
-            self._batch(identity).failed.append(RequestFailed(rid, f"request id {rid!r} is already running"))
-            return
-        try:
-            self.core.validate(message.request)
-            self.core.add(message.request)
-        except Exception as exc:  # noqa: BLE001 - every failure must reach the client, or its request hangs
-            text = str(exc) if isinstance(exc, EngineError) else f"engine core error: {exc!r}"
-            self._batch(identity).failed.append(RequestFailed(rid, text))
-            return
-        self.owners[rid] = identity
-        if message.request.stream_interval > 1:
-            self.held[rid] = OutputCoalescer(message.request.stream_interval)
-
-    def route(self, batch: StepOutputs) -> None:
-        """Split one turn's outputs by the client that owns each request."""
-        for output in batch.outputs:
-            owner = self.owners.get(output.request_id)
-            if owner is None:
-                continue
-            coalescer = self.held.get(output.request_id)
-            if coalescer is None:
-                self._batch(owner).outputs.append(output)
-            elif released := coalescer.push(output):
-                self._batch(owner).outputs.extend(released)
-        # A finished request has released everything (each sequence's end is released at once); what a
-        # sequence the frontend stopped itself still held is past its stop string.
-        for rid in batch.finished:
-            self.held.pop(rid, None)
-            if (owner := self.owners.pop(rid, None)) is not None:
-                self._batch(owner).finished.append(rid)
-        for failure in batch.failed:
-            self.held.pop(failure.request_id, None)
-            if (owner := self.owners.pop(failure.request_id, None)) is not None:
-                self._batch(owner).failed.append(failure)
-
-    def flush(self) -> None:
-        pending, self.pending = self.pending, {}
-        for identity, batch in pending.items():
-            batch.step = self.steps
-            self._send(identity, batch)
-
-    def _batch(self, identity: bytes) -> StepOutputs:
-        batch = self.pending.get(identity)
-        if batch is None:
-            batch = self.pending[identity] = StepOutputs()
-        return batch
-
-    def _broadcast(self, message: Heartbeat | CoreDead) -> None:
-        for identity in self.clients:
-            self._send(identity, message)
-
-    def _send(self, identity: bytes, message: Any) -> None:
-        self.sock.send_multipart([identity, self.encoder.encode(message)])
+__all__ = ["HEARTBEAT_INTERVAL_S", "CoreServer", "EngineCoreAddresses", "EngineCoreHandle", "start_engine_core"]

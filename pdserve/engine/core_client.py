@@ -30,7 +30,7 @@ import zmq
 
 from pdserve.engine.api import EngineDeadError
 from pdserve.engine.channels import OutputChannels, Sink
-from pdserve.engine.core import EngineCoreAddresses
+from pdserve.engine.core_server import EngineCoreAddresses
 from pdserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -85,9 +85,14 @@ class EngineCoreClient:
     info: EngineInfo  # set by start() from the core's handshake
     core_pid: int
 
-    def __init__(self, addresses: EngineCoreAddresses, *, connect_timeout: float = 30.0) -> None:
+    def __init__(
+        self, addresses: EngineCoreAddresses, *, connect_timeout: float = 30.0, context: zmq.Context | None = None
+    ) -> None:
+        """``context``: the ZMQ context to connect in (an ``inproc://`` core's, which its owner terminates);
+        by default the client makes and terminates its own."""
         self.addresses = addresses
         self.connect_timeout = connect_timeout
+        self._shared_ctx = context
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)
         self._ctx: zmq.Context | None = None
@@ -114,7 +119,7 @@ class EngineCoreClient:
         if self._sock is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._ctx = zmq.Context()
+        self._ctx = self._shared_ctx if self._shared_ctx is not None else zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         # Never block a send nor stall the core's ROUTER (which drops at its peer's high-water mark).
@@ -241,5 +246,6 @@ class EngineCoreClient:
             self._sock.close()
             self._sock = None
         if self._ctx is not None:
-            self._ctx.term()
+            if self._ctx is not self._shared_ctx:
+                self._ctx.term()
             self._ctx = None

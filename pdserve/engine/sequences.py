@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from pdserve.engine.sampler import SequenceState
 from pdserve.protocol.engine import SequenceSampling
 
@@ -35,11 +33,7 @@ class ScheduledRequest:
     sampling: SequenceSampling
     stop_ids: frozenset[int]
     sequences: list[ScheduledSequence] = field(default_factory=list)
-    kv_export: bool = False  # a prefill leg: export the prompt's KV when it finishes
-    kv_pulled: bool = False  # a decode leg whose prompt KV was pulled into the pool
     scheduled_at: float | None = None  # time.monotonic() of its admission into the running batch
-    # The prefill's KV of the last prompt position, until the first decode step has run it.
-    kv_prompt_tail: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

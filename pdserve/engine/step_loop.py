@@ -8,7 +8,9 @@ Postprocessing turns each sampled token into an :class:`EngineOutput` and decide
 the sampler (``sampler.py``) picks the tokens. Commands and steps add to one
 :class:`~pdserve.engine.messages.StepOutputs` that the driver takes once per step.
 
-With ``--kv-transfer`` (:mod:`pdserve.engine.kv.handoff`), a prefill leg's prompt KV is exported
+A step reads as nano-vllm's: schedule (admit) → run the model (prefill, decode) → sample →
+route the outputs (finish reasons, retire). The P/D KV hand-off is hooks at those seams
+(:mod:`pdserve.engine.kv.hooks`): with ``--kv-transfer`` a prefill leg's prompt KV is exported
 when it finishes, and a decode leg enters the scheduler only once its KV has been pulled: its
 "prefill" is then a copy into its slot, and its first decode step computes the last prompt
 token, as vLLM's decode side does.
@@ -16,17 +18,16 @@ token, as vLLM's decode side does.
 
 from __future__ import annotations
 
-import logging
 import random
 import time
-from collections import deque
 from collections.abc import Iterable, Mapping
 
 import torch
 
 from pdserve.engine.api import EngineError
 from pdserve.engine.kv.handoff import KVHandoff
-from pdserve.engine.messages import KV_LOAD_FAILED, RequestFailed, StepOutputs
+from pdserve.engine.kv.hooks import KVHandoffHooks, NoKVHandoff
+from pdserve.engine.messages import RequestFailed, StepOutputs
 from pdserve.engine.models import KVCache, LlamaForCausalLM
 from pdserve.engine.request_ids import matching
 from pdserve.engine.sampler import GREEDY_TEMPERATURE, SequenceState, request_rules, sample, token_logprobs
@@ -45,8 +46,6 @@ from pdserve.protocol.engine import (
 MAX_PREFILL_TOKENS = 2048
 # Rows of prompt logits materialised at once for prompt_logprobs.
 PROMPT_LOGPROBS_CHUNK = 256
-
-log = logging.getLogger(__name__)
 
 
 class StepLoop:
@@ -70,8 +69,9 @@ class StepLoop:
         self.requests: dict[str, ScheduledRequest] = {}
         self._seed_source = random.Random(seed)
         self._out = StepOutputs()
-        self.kv = kv
-        self._awaiting_blocks: deque[ScheduledRequest] = deque()  # prefill legs waiting for pool room
+        self.kv: KVHandoffHooks | NoKVHandoff = (
+            KVHandoffHooks(kv, self.scheduler, self.cache, self._fail) if kv is not None else NoKVHandoff()
+        )
         self._prompt_tokens_computed = 0
 
     # -- commands ------------------------------------------------------------------------
@@ -99,24 +99,9 @@ class StepLoop:
         if any(not 0 <= t < vocab for t in sp.stop_token_ids):
             problems.append(f"stop_token_ids must be in [0, {vocab})")
         problems.extend(sp.logits_problems(vocab))
-        problems.extend(self._kv_problems(request))
+        problems.extend(self.kv.problems(request))
         if problems:
             raise EngineError(f"invalid request {request.request_id!r}: " + "; ".join(problems))
-
-    def _kv_problems(self, request: EngineRequest) -> list[str]:
-        kv = request.kv
-        if not kv.any:
-            return []
-        if self.kv is None:
-            return ["kv_transfer_params ask for a KV hand-off, but this engine runs without --kv-transfer"]
-        problems = []
-        if kv.export and request.sampling.n != 1:
-            problems.append("a prefill leg (do_remote_decode) must have n=1")
-        if kv.export and self.kv.pool.layout.blocks_for(len(request.prompt_token_ids)) > self.kv.pool.num_blocks:
-            problems.append("the prompt does not fit the KV block pool (--kv-pool-tokens)")
-        if kv.pull is not None and request.sampling.prompt_logprobs is not None:
-            problems.append("prompt_logprobs need the prompt computed here; a decode leg (do_remote_prefill) pulls it")
-        return problems
 
     def add(self, request: EngineRequest) -> None:
         sp = request.sampling
@@ -126,18 +111,8 @@ class StepLoop:
         for i in range(sp.n):
             req.sequences.append(ScheduledSequence(req, i, SequenceState(rules, self._generator(sp, i), vocab)))
         self.requests[req.request_id] = req
-        pull = request.kv.pull
-        if self.kv is not None and pull is not None:
-            problem = self.kv.begin_pull(req.request_id, pull, req.prompt_len)
-            if problem is not None:
-                self._pull_failed(req, problem)
-            return
-        req.kv_export = request.kv.export
-        if req.kv_export:
-            self._awaiting_blocks.append(req)
-            self._admit_exports()
-            return
-        self.scheduler.add(req)
+        if not self.kv.on_add(req, request.kv):  # a P/D leg may wait for its KV blocks first
+            self.scheduler.add(req)
 
     def abort(self, request_ids: Iterable[str], cause: str | None) -> None:
         for rid in matching(request_ids, list(self.requests)):
@@ -158,13 +133,11 @@ class StepLoop:
                 self._retire(seq)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or (self.kv is not None and self.kv.pending())
+        return self.scheduler.has_work() or self.kv.pending()
 
     def poll(self) -> None:
         """Between steps, working or idle: free pulled and expired leases, admit prefill legs that fit now."""
-        if self.kv is not None:
-            self.kv.poll()
-            self._admit_exports()
+        self.kv.poll()
 
     def stats(self) -> EngineStats:
         running = {s.request.request_id for s in self.scheduler.running}
@@ -173,15 +146,14 @@ class StepLoop:
             waiting_requests=len(self.scheduler.waiting),
             running_sequences=len(self.scheduler.running),
             prompt_tokens_computed=self._prompt_tokens_computed,
-            kv=self.kv.stats() if self.kv is not None else None,
+            kv=self.kv.stats(),
         )
 
     # -- the step --------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> None:
-        if self.kv is not None:
-            self._advance_pulls()
+        self.kv.before_step()
         admitted = self.scheduler.admit()
         if admitted:
             self._prefill(admitted)
@@ -200,9 +172,7 @@ class StepLoop:
             live = [s for s in req.sequences if s.live]  # stop_sequence may have dropped some while waiting
             for seq in live:
                 self.scheduler.place(seq)
-            if req.kv_pulled:
-                self._load_pulled(req, live)
-            else:
+            if not self.kv.load_prompt(req, live):  # a pulled decode leg's KV is copied in instead
                 computed.append((req, live))
         if computed:
             self._compute_prompts(computed)
@@ -238,8 +208,7 @@ class StepLoop:
         hidden = self.model.decode(tokens, positions, self.cache)
         for seq in running:
             seq.num_cached += 1
-            if seq.request.kv_prompt_tail is not None:
-                self._restore_prompt_tail(seq)
+        self.kv.after_decode(running)
         self._sample_and_emit(running, self.model.logits(hidden), {})
 
     def _sample_and_emit(
@@ -257,10 +226,7 @@ class StepLoop:
         for row, seq in enumerate(seqs):
             token = tokens[row]
             finish, reason = self._finish_reason(seq, token)
-            kv_params = None
-            if finish in ("length", "stop") and seq.request.kv_export:
-                assert self.kv is not None
-                kv_params = self.kv.export(seq.request.request_id, self.cache, seq.slot, seq.request.prompt_len)
+            kv_params = self.kv.on_finish(seq, finish) if finish is not None else None
             self._emit(
                 EngineOutput(
                     request_id=seq.request.request_id,
@@ -319,75 +285,15 @@ class StepLoop:
     def _finish_request_if_done(self, req: ScheduledRequest) -> None:
         if not any(s.live for s in req.sequences) and self.requests.pop(req.request_id, None) is not None:
             self.scheduler.remove_waiting(req.request_id)
-            self._forget_kv(req)
+            self.kv.forget(req)
             self._out.finished.append(req.request_id)
 
-    # -- KV hand-off -----------------------------------------------------------------------
-
-    def _admit_exports(self) -> None:
-        """Prefill legs enter the scheduler in arrival order once the pool holds their prompt."""
-        assert self.kv is not None
-        while self._awaiting_blocks and self.kv.reserve(
-            self._awaiting_blocks[0].request_id, self._awaiting_blocks[0].prompt_len
-        ):
-            self.scheduler.add(self._awaiting_blocks.popleft())
-
-    def _advance_pulls(self) -> None:
-        assert self.kv is not None
-        progress = self.kv.advance()
-        for rid in progress.ready:
-            req = self.requests.get(rid)
-            if req is not None:
-                req.kv_pulled = True
-                self.scheduler.add(req)
-        for rid, reason in progress.failed:
-            req = self.requests.get(rid)
-            if req is not None:
-                self._pull_failed(req, reason)
-
-    def _pull_failed(self, req: ScheduledRequest, reason: str) -> None:
-        """Apply --kv-load-failure-policy: end the request with the cause, or prefill it here."""
-        assert self.kv is not None
-        if self.kv.spec.failure_policy == "recompute":
-            log.warning("KV pull for %s failed (%s): recomputing the prompt here", req.request_id, reason)
-            self.kv.count_recompute()
-            self.scheduler.add(req)
-            return
-        log.warning("KV pull for %s failed: %s", req.request_id, reason)
+    def _fail(self, req: ScheduledRequest, message: str, kind: str) -> None:
+        """End a request that has not run with an error (a failed KV pull): nothing else is emitted for it."""
         for seq in req.sequences:
             seq.live = False
         self.requests.pop(req.request_id, None)
-        self._out.failed.append(RequestFailed(req.request_id, f"KV load failed: {reason}", kind=KV_LOAD_FAILED))
-
-    def _load_pulled(self, req: ScheduledRequest, live: list[ScheduledSequence]) -> None:
-        """A pulled decode leg's "prefill": the prompt's KV copied into its slots. The last prompt
-        position still runs through the model (in the next decode step) for the first token's
-        logits; the KV that step writes for it is then replaced by the prefill's, so the cache
-        holds exactly what a coupled server's prefill would have written."""
-        assert self.kv is not None
-        n = req.prompt_len
-        self.kv.load(req.request_id, self.cache, live[0].slot, n)
-        for seq in live[1:]:
-            self.cache.copy_slot(live[0].slot, seq.slot, n)
-        req.kv_prompt_tail = self.cache.data[:, :, live[0].slot, :, n - 1].clone()
-        for seq in live:
-            seq.num_cached = n - 1
-
-    def _restore_prompt_tail(self, seq: ScheduledSequence) -> None:
-        """After a pulled leg's first decode step: put the prefill's KV of the last prompt position back."""
-        req = seq.request
-        assert req.kv_prompt_tail is not None
-        self.cache.data[:, :, seq.slot, :, req.prompt_len - 1] = req.kv_prompt_tail
-        if all(s.num_cached >= req.prompt_len for s in req.sequences if s.live):
-            req.kv_prompt_tail = None
-
-    def _forget_kv(self, req: ScheduledRequest) -> None:
-        if self.kv is None:
-            return
-        self.kv.cancel(req.request_id)
-        self.kv.drop(req.request_id)
-        if req in self._awaiting_blocks:
-            self._awaiting_blocks.remove(req)
+        self._out.failed.append(RequestFailed(req.request_id, message, kind=kind))
 
     def _emit(self, output: EngineOutput) -> None:
         self._out.outputs.append(output)

@@ -1,9 +1,9 @@
-"""The step-loop contract both drivers run: the engine core process and the in-process thread.
+"""The step-loop contract every driver runs: the engine core process's loop and the in-process torch thread.
 
-A :class:`StepCore` owns all request state and is only ever touched by one thread. Its driver
-drains its inbox (:func:`apply` per command), calls ``poll()`` every turn and ``step()`` while
-there is work, and sends
-what :meth:`StepCore.take_outputs` returns as one :class:`~pdserve.engine.messages.StepOutputs`.
+A :class:`StepCore` owns all request state and is only ever touched by one thread. Its driver, each
+turn, drains its inbox (:func:`apply` per command), calls ``poll()``, calls ``step()`` when there is
+work, and sends what :meth:`StepCore.take_outputs` returns as one
+:class:`~pdserve.engine.messages.StepOutputs`.
 """
 
 from __future__ import annotations

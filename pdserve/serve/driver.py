@@ -4,8 +4,8 @@ Shared by every endpoint that generates: it feeds engine outputs into the
 state, tells the engine when the frontend finished a sequence itself (stop
 string), and aborts the engine request whenever the consumer stops early
 (client disconnect, error), so nothing keeps running for a request nobody reads.
-With a stream interval above 1 it folds each sequence's outputs into one per chunk first
-(:mod:`pdserve.engine.coalesce`).
+With a stream interval above 1 the engine has already folded each sequence's outputs into one per
+chunk (:mod:`pdserve.engine.coalesce`): the driver forwards what the engine sends.
 
 A stream may pass an :class:`Outlet`. Then, on an engine that delivers on the event loop
 (:class:`~pdserve.engine.api.DirectDelivery`), an ordinary output (one that ends nothing) is
@@ -30,7 +30,6 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from pdserve.engine.api import DirectDelivery, Engine, EngineError, RequestAborted
-from pdserve.engine.coalesce import OutputCoalescer
 from pdserve.output.request_state import ChoiceUpdate, RequestState
 from pdserve.protocol.engine import ABORT_BY_CLIENT, EngineOutput, EngineRequest
 
@@ -51,9 +50,6 @@ async def drive(
     engine: Engine, request: EngineRequest, state: RequestState, outlet: Outlet | None = None
 ) -> AsyncIterator[ChoiceUpdate]:
     outputs = engine.generate(request)
-    # An engine core already holds the outputs (pdserve.engine.core); this folding is for the engines
-    # that run in this process, and passes a folded stream through unchanged.
-    coalescer = OutputCoalescer(request.stream_interval) if request.stream_interval > 1 else None
     direct = outlet is not None and not state.config.stop.stop and isinstance(engine, DirectDelivery)
     failure: list[Exception] = []
 
@@ -62,10 +58,9 @@ async def drive(
         if failure or out.finish_reason is not None or not outlet.ready():  # type: ignore[union-attr]
             return False
         try:
-            for ready in (out,) if coalescer is None else coalescer.push(out):
-                update = state.add(ready)
-                if update is not None:
-                    outlet.emit(update)  # type: ignore[union-attr]
+            update = state.add(out)
+            if update is not None:
+                outlet.emit(update)  # type: ignore[union-attr]
         except Exception as e:  # noqa: BLE001 - a sink must not raise: the reader raises it instead
             failure.append(e)
             return False
@@ -77,12 +72,10 @@ async def drive(
                 raise failure[0]
             if out.finish_reason == "abort" and out.abort_cause != ABORT_BY_CLIENT:
                 raise RequestAborted(out.abort_cause)
-            for ready in (out,) if coalescer is None else coalescer.push(out):
-                update = state.add(ready)
-                if update is None:
-                    continue
+            update = state.add(out)
+            if update is not None:
                 choice = state.choices[update.index]
-                if update.finished and choice.stopped_by_string and ready.finish_reason is None:
+                if update.finished and choice.stopped_by_string and out.finish_reason is None:
                     await engine.stop_sequence(request.request_id, update.index)
                 yield update
             if state.finished:

@@ -2,7 +2,9 @@
 
 The replay rules and state are :class:`~pdserve.engine.runners.scripted_core.ScriptedCore`'s (see
 there). Here a request advances one step each time its consumer asks for more, after ``step_ms``,
-so it never runs ahead of the frontend; an abort or a shutdown is seen at the next step.
+so it never runs ahead of the frontend; an abort or a shutdown is seen at the next step. A request
+streamed with a stream interval above 1 has its outputs folded here, as the engine core does
+(:mod:`pdserve.engine.coalesce`), so its consumer gets one output per chunk.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from pdserve.engine.api import EngineDeadError
+from pdserve.engine.coalesce import OutputCoalescer
 from pdserve.engine.runners.scripted_core import ScriptedCore, spec_options
 from pdserve.engine.spec import EngineSpec, TokenScript
 from pdserve.protocol.engine import ABORT_BY_CLIENT, EngineOutput, EngineRequest, EngineStats
@@ -53,6 +56,7 @@ class ScriptedEngine:
         if not self._alive:
             raise EngineDeadError("the scripted engine is not running")
         live = self._core.start(request)
+        coalescer = OutputCoalescer(request.stream_interval) if request.stream_interval > 1 else None
         try:
             while True:
                 # A plain sleep per step (an abort is seen at the next step): waiting on the abort
@@ -61,6 +65,8 @@ class ScriptedEngine:
                 if not self._alive:
                     raise EngineDeadError("the scripted engine was shut down")
                 outputs, failure = self._core.advance(live)
+                if coalescer is not None:
+                    outputs = [ready for output in outputs for ready in coalescer.push(output)]
                 for output in outputs:
                     yield output
                 if failure is not None:

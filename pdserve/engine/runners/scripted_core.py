@@ -59,8 +59,6 @@ class _Sequence:
     allowed: frozenset[int] | None = None  # allowed_token_ids as a set
 
 
-
-
 def _banned(token: int, seq: _Sequence, sampling: SequenceSampling) -> bool:
     """Whether allowed_token_ids or bad_words_token_ids forbid ``token`` as the sequence's next id."""
     if seq.allowed is not None and token not in seq.allowed:
@@ -74,8 +72,8 @@ def _banned(token: int, seq: _Sequence, sampling: SequenceSampling) -> bool:
 
 
 @dataclass
-class _Live:
-    """One running request: its script, sequences and how far it got."""
+class ReplayingRequest:
+    """One request being replayed: its script, sequences and how far it got."""
 
     request: EngineRequest
     script: TokenScript
@@ -129,7 +127,7 @@ class ScriptedCore:
         self._tokens_per_step = tokens_per_step
         self.pace_s = step_ms / 1000.0
         self._eos = list(eos_token_ids)
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, ReplayingRequest] = {}
         self._out = StepOutputs()
         self.info = EngineInfo(
             model_name=model_name,
@@ -156,7 +154,7 @@ class ScriptedCore:
     def add(self, request: EngineRequest) -> None:
         self.start(request)
 
-    def start(self, request: EngineRequest) -> _Live:
+    def start(self, request: EngineRequest) -> ReplayingRequest:
         """Pick the request's script (``extra_args.script_index``, else round robin) and track it."""
         if request.request_id in self._live:
             raise ValueError(f"request id {request.request_id!r} is already running")
@@ -169,7 +167,7 @@ class ScriptedCore:
         seed = sampling.seed if sampling.seed is not None else 0
         allowed = None if sampling.allowed_token_ids is None else frozenset(sampling.allowed_token_ids)
         seqs = [_Sequence(i, script.token_ids, random.Random(seed + i), allowed=allowed) for i in range(sampling.n)]
-        live = _Live(request, script, seqs, self.info.max_model_len - len(request.prompt_token_ids))
+        live = ReplayingRequest(request, script, seqs, self.info.max_model_len - len(request.prompt_token_ids))
         self._live[request.request_id] = live
         return live
 
@@ -218,7 +216,7 @@ class ScriptedCore:
         out, self._out = self._out, StepOutputs()
         return out
 
-    def advance(self, live: _Live) -> tuple[list[EngineOutput], EngineError | None]:
+    def advance(self, live: ReplayingRequest) -> tuple[list[EngineOutput], EngineError | None]:
         """One step of one request: its outputs, and the error that ends it (a script's ``fail_after``).
 
         A request whose sequences are all done is ``over`` one step after its last output.

@@ -2,24 +2,18 @@
 
 :class:`TorchSetup` checks a model and its limits without loading it (so ``info`` is known at
 once) and :meth:`TorchSetup.load` builds the :class:`~pdserve.engine.step_loop.StepLoop` on the
-calling thread. The engine-core process runs that step loop itself; :class:`TorchEngine` runs it
-in this process, on one background thread that owns the model, the KV cache and the scheduler:
-the asyncio side only validates, puts typed commands in the thread's inbox and receives one
-:class:`~pdserve.engine.messages.StepOutputs` per step (``loop.call_soon_threadsafe``), so no
-model state is ever touched from two threads. Torch ops release the GIL, so the event loop keeps
-serving while a step runs.
+calling thread. The engine-core process runs that step loop in its loop (:mod:`pdserve.engine.core_server`);
+:class:`TorchEngine` runs the same loop in this process, on one background thread that owns the
+model, the KV cache and the scheduler, over an ``inproc://`` socket (:mod:`pdserve.engine.inproc`):
+the asyncio side sends typed commands and receives one :class:`~pdserve.engine.messages.StepOutputs`
+per step, so no model state is ever touched from two threads. Torch ops release the GIL, so the
+event loop keeps serving while a step runs.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import contextlib
 import json
 import logging
-import queue
-import threading
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,27 +22,22 @@ import torch
 
 from pdserve.checkpoints.model_dir import model_eos_ids
 from pdserve.checkpoints.resolve import model_display_name, resolve_model
-from pdserve.engine.api import EngineDeadError, EngineError
-from pdserve.engine.channels import OutputChannels, Sink
+from pdserve.engine.inproc import InProcessCore
 from pdserve.engine.kv.handoff import KVHandoff
 from pdserve.engine.kv.peers import PeerDirectory
 from pdserve.engine.kv.pool import KVBlockPool
 from pdserve.engine.kv.transport import NixlTransport
-from pdserve.engine.messages import AbortRequests, AddRequest, Command, Shutdown, StepOutputs, StopSequence
 from pdserve.engine.models import LlamaForCausalLM, load_model, model_config
 from pdserve.engine.spec import EngineSpec, KVTransferSpec
 from pdserve.engine.step_loop import StepLoop
-from pdserve.engine.stepping import apply
 from pdserve.engine.threads import configure_torch_threads
-from pdserve.protocol.engine import ABORT_BY_CLIENT, EngineInfo, EngineOutput, EngineRequest, EngineStats
+from pdserve.protocol.engine import EngineInfo
 from pdserve.protocol.kv import KVLayout
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Default context when --max-model-len is not given: the model's own, capped (the KV
 # cache reserves address space for max_num_seqs * max_model_len positions).
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
-# An idle in-process engine still turns this often (KV leases expire, "pulled" notifications arrive).
-IDLE_POLL_S = 0.5
 
 log = logging.getLogger(__name__)
 
@@ -153,131 +142,15 @@ class TorchSetup:
         return KVHandoff(spec, pool, transport, PeerDirectory(layout, spec.api_key))
 
 
-class TorchEngine:
-    """In-process engine (see module docstring); ``info`` is ready at construction, weights load in ``start()``."""
+class TorchEngine(InProcessCore):
+    """In-process engine: the engine loop on a thread of this process that owns the model (see module
+    docstring); ``info`` is ready at construction, weights load in ``start()``."""
 
     def __init__(self, model: str | None = None, *, setup: TorchSetup | None = None, **limits: Any) -> None:
         self._setup = setup if setup is not None else TorchSetup.create(model, **limits)
-        self.info = self._setup.info
+        super().__init__(self._setup.load, self._setup.info, thread_name="pdserve-torch-engine")
         self.batch_invariant = self._setup.batch_invariant
-        self._inbox: queue.SimpleQueue[Command | Shutdown] = queue.SimpleQueue()
-        self._channels = OutputChannels()
-        self._steps: StepLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._dead: EngineDeadError | None = None
-        self._stats = EngineStats()
 
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> TorchEngine:
         return cls(setup=TorchSetup.from_spec(spec))
-
-    async def start(self) -> None:
-        """Load the model on the engine thread and start its step loop (raises if loading fails)."""
-        if self._thread is not None:
-            return
-        self._loop = asyncio.get_running_loop()
-        loaded: concurrent.futures.Future[StepLoop] = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, args=(loaded,), name="pdserve-torch-engine", daemon=True)
-        self._thread.start()
-        try:
-            self._steps = await asyncio.wrap_future(loaded)
-        except BaseException:
-            self._thread = None
-            raise
-
-    async def shutdown(self) -> None:
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return
-        self._inbox.put(Shutdown())
-        await asyncio.to_thread(thread.join)
-        self._fail_all(EngineDeadError("engine shut down"))
-
-    def is_healthy(self) -> bool:
-        return self._thread is not None and self._dead is None
-
-    def stats(self) -> EngineStats:
-        return self._stats
-
-    async def abort(self, request_ids: list[str], cause: str = ABORT_BY_CLIENT) -> None:
-        if request_ids:
-            self._inbox.put(AbortRequests(list(request_ids), cause))
-
-    async def stop_sequence(self, request_id: str, index: int) -> None:
-        self._inbox.put(StopSequence(request_id, index))
-
-    def attach_sink(self, request_id: str, sink: Sink) -> bool:
-        return self._channels.attach_sink(request_id, sink)
-
-    def direct_outputs(self) -> int:
-        return self._channels.direct_outputs
-
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        if self._dead is not None:
-            raise self._dead
-        if self._thread is None or self._steps is None:
-            raise EngineDeadError("engine is not running (call start() first)")
-        self._steps.validate(request)  # reads only the immutable info: safe off the engine thread
-        rid = request.request_id
-
-        def abandon() -> None:
-            if self._dead is None:
-                self._inbox.put(AbortRequests([rid]))
-
-        # aclosing: closing this iterator must close the channel's at once (its cleanup aborts).
-        submit = lambda: self._inbox.put(AddRequest(request))
-        async with contextlib.aclosing(self._channels.stream(rid, submit, abandon)) as outputs:
-            async for output in outputs:
-                yield output
-
-    # -- engine thread ---------------------------------------------------------------------
-
-    def _run(self, loaded: concurrent.futures.Future[StepLoop]) -> None:
-        try:
-            steps = self._setup.load()
-        except Exception as exc:  # noqa: BLE001 - start() raises it
-            loaded.set_exception(exc)
-            return
-        loaded.set_result(steps)
-        try:
-            while True:
-                command = self._next_command(wait_s=None if steps.has_work() else IDLE_POLL_S)
-                while command is not None:
-                    if isinstance(command, Shutdown):
-                        return
-                    apply(steps, command)
-                    command = self._next_command()
-                steps.poll()
-                if steps.has_work():
-                    steps.step()
-                self._publish(steps.take_outputs())
-                self._stats = steps.stats()
-        except Exception as exc:  # any failure kills the engine loudly, never silently
-            log.exception("torch engine loop failed; the engine is dead")
-            dead = EngineDeadError(f"engine step failed: {exc!r}")
-            self._dead = dead
-            self._call_soon(self._fail_all, dead)
-
-    def _next_command(self, wait_s: float | None = None) -> Command | Shutdown | None:
-        """The next command: at once (``wait_s`` None), or within ``wait_s`` seconds; None if there is none."""
-        try:
-            return self._inbox.get_nowait() if wait_s is None else self._inbox.get(timeout=wait_s)
-        except queue.Empty:
-            return None
-
-    def _publish(self, batch: StepOutputs) -> None:
-        """One event-loop callback per step, whatever its batch."""
-        if batch:
-            self._call_soon(self._channels.deliver, batch)
-
-    def _call_soon(self, fn: Any, *args: Any) -> None:
-        assert self._loop is not None
-        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is left to tell
-            self._loop.call_soon_threadsafe(fn, *args)
-
-    # -- event loop ------------------------------------------------------------------------
-
-    def _fail_all(self, error: EngineError) -> None:
-        self._dead = self._dead or (error if isinstance(error, EngineDeadError) else EngineDeadError(str(error)))
-        self._channels.fail_all(error)

@@ -104,3 +104,31 @@ def test_folding_keeps_what_arrives_once() -> None:
 def test_an_interval_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         OutputCoalescer(0)
+
+
+def test_stream_intervals_hold_only_requests_that_ask_and_forget_them_when_they_end() -> None:
+    from pdserve.engine.coalesce import StreamIntervals
+    from pdserve.engine.messages import RequestFailed, StepOutputs
+    from pdserve.protocol.engine import EngineRequest, SequenceSampling
+
+    def request(rid: str, interval: int) -> EngineRequest:
+        return EngineRequest(request_id=rid, prompt_token_ids=[1], sampling=SequenceSampling(), stream_interval=interval)
+
+    def out(rid: str, token: int, finish: str | None = None) -> EngineOutput:
+        return EngineOutput(request_id=rid, index=0, new_token_ids=[token], finish_reason=finish)
+
+    held = StreamIntervals()
+    plain = StepOutputs(outputs=[out("a", 1)])
+    assert held.release(plain) is plain  # nothing held: the batch passes as it is
+    held.add(request("a", 1))
+    held.add(request("b", 3))
+    held.add(request("c", 3))
+    sent = [held.release(StepOutputs(outputs=[out("a", t), out("b", t), out("c", t)])).outputs for t in range(4)]
+    assert [[(o.request_id, o.new_token_ids) for o in batch] for batch in sent] == [
+        [("a", [0]), ("b", [0]), ("c", [0])], [("a", [1])], [("a", [2])], [("a", [3]), ("b", [1, 2, 3]), ("c", [1, 2, 3])],
+    ]
+    last = held.release(StepOutputs(outputs=[out("b", 4), out("c", 4, "length")], finished=["c"],
+                                    failed=[RequestFailed("b", "gone")]))
+    assert [(o.request_id, o.new_token_ids) for o in last.outputs] == [("c", [4])]
+    plain = StepOutputs(outputs=[out("b", 5)])
+    assert held.release(plain) is plain  # b and c are forgotten

@@ -155,3 +155,16 @@ def test_out_of_vocabulary_ids_in_logits_params_are_rejected() -> None:
     for sampling, message in cases:
         with pytest.raises(EngineError, match=message):
             run(engine(), **sampling)
+
+
+def test_a_stream_interval_folds_the_outputs_in_the_engine() -> None:
+    async def go() -> list[EngineOutput]:
+        eng = engine(scripts=[TokenScript(list(range(10, 30)))])
+        await eng.start()
+        req = EngineRequest(request_id="r", prompt_token_ids=[1], sampling=SequenceSampling(max_tokens=12),
+                            stream_interval=4)
+        return [o async for o in eng.generate(req)]
+
+    outs = asyncio.run(go())
+    assert [len(o.new_token_ids) for o in outs] == [1, 4, 4, 3]
+    assert ids(outs) == list(range(10, 22)) and outs[-1].finish_reason == "length"
