@@ -14,13 +14,12 @@ from pdserve.protocol.engine import EngineRequest
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import AbortRequest, GenerateRequest, GenerateResponseBase
 from pdserve.protocol.sse import sse_event, sse_event_bytes
+from pdserve.serve.admission import admit
 from pdserve.serve.driver import drive
 from pdserve.serve.event_stream import DirectBody, DirectEvents
 from pdserve.serve.http import parse_body
-from pdserve.serve.requests import prepare
 from pdserve.serve.responses import respond_batch, respond_stream
 from pdserve.serve.state import AppState, app_state
-from pdserve.serve.validation import validate_generate
 from pdserve.text.logprobs import prompt_logprob_dicts
 
 router = APIRouter()
@@ -33,14 +32,13 @@ async def generate(request: Request) -> Response:
     try:
         req = await parse_body(request, GenerateRequest)
         mode = req.output_mode
-        validate_generate(state, req)
+        # vLLM's wire behaviour: every generate request id takes this prefix, whatever its output_mode
+        # (clients abort by it). Keep it as vLLM spells it.
+        request_id = "generate-tokens-" + (request.headers.get("x-request-id") or req.request_id)
+        ereq, rstate = admit(state, req, request_id).pair
     except RequestError as e:
         state.metrics.requests.labels("generate", mode, str(e.status)).inc()
         raise
-    # vLLM's wire behaviour: every generate request id takes this prefix, whatever its output_mode
-    # (clients abort by it). Keep it as vLLM spells it.
-    request_id = "generate-tokens-" + (request.headers.get("x-request-id") or req.request_id)
-    ereq, rstate = prepare(state, req, request_id)
     base = {
         "request_id": request_id,
         "model": state.model_name,

@@ -20,13 +20,12 @@ from pdserve.output.request_state import ChoiceUpdate, RequestState
 from pdserve.protocol.generate import GenerateRequest
 from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest, UsageInfo
 from pdserve.protocol.sse import sse_event, sse_event_bytes
+from pdserve.serve.admission import admit
 from pdserve.serve.event_stream import DirectBody, DirectEvents
 from pdserve.serve.http import parse_body
 from pdserve.serve.render import render_chat, render_completion
-from pdserve.serve.requests import prepare
 from pdserve.serve.responses import merged_updates, respond_batch, respond_stream
 from pdserve.serve.state import AppState, app_state
-from pdserve.serve.validation import validate_generate
 
 render_router = APIRouter()
 coupled_router = APIRouter()
@@ -61,9 +60,8 @@ async def chat_completions(request: Request) -> Response:
     chat = await parse_body(request, ChatCompletionRequest)
     gen = render_chat(state, chat, request.headers.get("x-request-id"))
     gen.output_mode = "derender"
-    validate_generate(state, gen)
     response_id = gen.request_id
-    prepared = [prepare(state, gen, response_id)]
+    prepared = [admit(state, gen, response_id).pair]
     return_ids = bool(chat.return_token_ids)
     rstate = prepared[0][1]
     if not chat.stream:
@@ -117,9 +115,8 @@ async def completions(request: Request) -> Response:
     gens = render_completion(state, req, request.headers.get("x-request-id"))
     for gen in gens:
         gen.output_mode = "text"
-        validate_generate(state, gen)
     response_id = gens[0].request_id.removesuffix("-0")
-    prepared = [prepare(state, gen, gen.request_id, completions_cut=True) for gen in gens]
+    prepared = [admit(state, gen, gen.request_id, completions_cut=True).pair for gen in gens]
     states = [r for _, r in prepared]
     return_ids = bool(req.return_token_ids)
     if not req.stream:
