@@ -73,6 +73,18 @@ class SequenceSampling(msgspec.Struct, frozen=True, kw_only=True):
         return problems
 
 
+# The engine's sampling fields, in declaration order: the one list every mapping into or out of
+# SequenceSampling is written from (the client's params -> the engine request, the engine request ->
+# vLLM's SamplingParams, an OpenAI request -> the rendered params), so a field added here reaches all.
+SAMPLING_FIELDS: tuple[str, ...] = SequenceSampling.__struct_fields__
+
+
+def sampling_values(source: object, *, skip: Iterable[str] = ()) -> dict[str, Any]:
+    """``source``'s value of each engine sampling field (read by name), less the ones in ``skip``."""
+    skipped = frozenset(skip)
+    return {name: getattr(source, name) for name in SAMPLING_FIELDS if name not in skipped}
+
+
 class EngineRequest(msgspec.Struct, kw_only=True):
     """One generate request as the engine sees it."""
 

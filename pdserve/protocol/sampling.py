@@ -16,7 +16,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PrivateAttr,
     StrictInt,
     ValidationError,
     ValidationInfo,
@@ -116,9 +115,6 @@ class SamplingParams(BaseModel):
     watermarking: Any = None
     routed_experts_prompt_start: Any = 0
     trace_decode_token_ids: Any = None
-
-    # bad_words as banned id sequences, filled in by the server (it has the tokenizer).
-    _bad_words_token_ids: list[list[int]] | None = PrivateAttr(None)
 
     @field_validator("stop", "bad_words", mode="before")
     @classmethod
@@ -230,14 +226,6 @@ class SamplingParams(BaseModel):
     def provided(self) -> set[str]:
         """The keys the client actually sent (for server-side defaulting)."""
         return set(self.model_fields_set)
-
-    @property
-    def bad_words_token_ids(self) -> list[list[int]] | None:
-        """The banned id sequences once the server tokenized ``bad_words`` (None before)."""
-        return self._bad_words_token_ids
-
-    def set_bad_words_token_ids(self, sequences: list[list[int]]) -> None:
-        self._bad_words_token_ids = sequences
 
     def vllm_json(self) -> dict[str, Any]:
         """The JSON vLLM 0.33's render emits for these params (msgspec ``omit_defaults``): fields

@@ -11,10 +11,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from pdserve.protocol.engine import SAMPLING_FIELDS
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import GenerateRequest, ParseContext, ReasoningParserKwargs
 from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest, NamedToolChoice, SamplingRequest
 from pdserve.protocol.sampling import SamplingParams
+from pdserve.serve.admission import model_max_tokens, resolve_max_tokens
 from pdserve.serve.http.body import format_validation_error
 from pdserve.serve.requests import skip_special_tokens
 from pdserve.serve.state import AppState
@@ -29,29 +31,22 @@ def _max_model_len(state: AppState) -> int | None:
     return state.engine.info.max_model_len if state.engine is not None else state.config.max_model_len
 
 
-def _resolve_max_tokens(state: AppState, requested: int | None, prompt_len: int) -> int | None:
-    """The client's max_tokens, else the model's ``max_new_tokens`` capped by the room left (vLLM's rule)."""
+def _max_tokens(state: AppState, requested: int | None, prompt_len: int) -> int | None:
+    """The client's max_tokens, else the model's ``max_new_tokens`` capped by the room left (vLLM's rule,
+    :func:`~pdserve.serve.admission.resolve_max_tokens`); a prompt or a max_tokens that does not fit
+    the model length is the client's 400."""
     limit = _max_model_len(state)
-    if requested is None and state.tokenizer is not None:
-        requested = _capped(state.tokenizer.generation_defaults.get("max_tokens"), limit, prompt_len)
-    if limit is None:
-        return requested
-    room = limit - prompt_len
-    if room <= 0:
-        raise RequestError(f"the prompt has {prompt_len} tokens; the model length is {limit}", param="messages")
-    if requested is not None and requested > room:
-        raise RequestError(
-            f"max_tokens={requested} is over the {room} tokens left after the {prompt_len}-token prompt "
-            f"(model length {limit})",
-            param="max_tokens",
-        )
-    return requested if requested is not None else room
-
-
-def _capped(default: int | None, limit: int | None, prompt_len: int) -> int | None:
-    if default is None or limit is None:
-        return default
-    return max(1, min(default, limit - prompt_len))
+    if limit is not None:
+        room = limit - prompt_len
+        if room <= 0:
+            raise RequestError(f"the prompt has {prompt_len} tokens; the model length is {limit}", param="messages")
+        if requested is not None and requested > room:
+            raise RequestError(
+                f"max_tokens={requested} is over the {room} tokens left after the {prompt_len}-token prompt "
+                f"(model length {limit})",
+                param="max_tokens",
+            )
+    return resolve_max_tokens(requested, prompt_len, limit, model_max_tokens(state))
 
 
 def _sampling(fields: dict[str, Any]) -> SamplingParams:
@@ -97,26 +92,18 @@ def _shared_sampling_fields(
         value = getattr(req, name)
         return value if value is not None else model_defaults.get(name)
 
-    return dict(
-        n=req.n,
-        presence_penalty=knob("presence_penalty"),
-        frequency_penalty=knob("frequency_penalty"),
-        repetition_penalty=knob("repetition_penalty"),
+    # Every engine sampling field the OpenAI request spells as the engine does, by name (the model's
+    # defaults only name sampling knobs); the rest are spelled its own way, below, or per endpoint.
+    engine_fields = {name: knob(name) for name in SAMPLING_FIELDS if name not in OPENAI_SPELLED_APART}
+    return engine_fields | dict(
         max_tokens=max_tokens,
         min_tokens=req.min_tokens or None,
-        temperature=knob("temperature"),
-        top_p=knob("top_p"),
-        top_k=knob("top_k"),
-        min_p=knob("min_p"),
-        seed=req.seed,
-        stop=req.stop,
-        stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos or None,
-        prompt_logprobs=req.prompt_logprobs,
+        logit_bias=req.clamped_logit_bias(),
+        # Frontend-side fields (text, transport): not the engine's.
+        stop=req.stop,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output or None,
-        logit_bias=req.clamped_logit_bias(),
-        allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words,
         extra_args=req.vllm_xargs,
         stream_interval=req.stream_interval,
@@ -124,6 +111,14 @@ def _shared_sampling_fields(
         output_kind=OUTPUT_KIND_DELTA if req.stream else OUTPUT_KIND_FINAL_ONLY,
         skip_clone=True,
     )
+
+
+# Engine sampling fields an OpenAI request does not carry under the engine's name and value: set here
+# (max_tokens resolved, unset when falsy, logit_bias clamped), per endpoint (logprobs: chat's
+# top_logprobs, completions' logprobs) or by admission (bad_words tokenized into id sequences).
+OPENAI_SPELLED_APART = frozenset(
+    {"max_tokens", "min_tokens", "ignore_eos", "logit_bias", "logprobs", "bad_words_token_ids"}
+)
 
 
 def _check_tool_choice(state: AppState, chat: ChatCompletionRequest) -> None:
@@ -205,7 +200,7 @@ def render_chat(state: AppState, chat: ChatCompletionRequest, request_id: str | 
     token_ids = tokenizer.encode(prompt, add_special_tokens=chat.add_special_tokens)
     if not token_ids:
         raise RequestError("No token_ids rendered", param="messages")
-    max_tokens = _resolve_max_tokens(state, chat.max_completion_tokens or chat.max_tokens, len(token_ids))
+    max_tokens = _max_tokens(state, chat.max_completion_tokens or chat.max_tokens, len(token_ids))
     skip_special = skip_special_tokens(chat.skip_special_tokens, parsers_active(state, chat))
     sampling = _sampling(
         _shared_sampling_fields(chat, max_tokens, tokenizer.generation_defaults)
@@ -266,7 +261,7 @@ def render_completion(state: AppState, req: CompletionRequest, request_id: str |
     for i, ids in enumerate(prompts):
         if not ids:
             raise RequestError(f"prompt {i} is empty", param="prompt")
-        max_tokens = _resolve_max_tokens(state, req.max_tokens, len(ids))
+        max_tokens = _max_tokens(state, req.max_tokens, len(ids))
         sampling = _sampling(
             _shared_sampling_fields(req, max_tokens, tokenizer.generation_defaults)
             | dict(logprobs=req.logprobs, skip_special_tokens=req.skip_special_tokens)

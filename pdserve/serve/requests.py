@@ -2,7 +2,8 @@
 config (stop rules, logprob cut, special tokens) and the per-choice parser factory.
 
 Generate, the coupled OpenAI endpoints and stateless derender all build their configs here, so
-one request is postprocessed the same way whichever surface it came through.
+one request is postprocessed the same way whichever surface it came through. Admission
+(:mod:`pdserve.serve.admission`) calls the builders for a served request, with what validation parsed.
 """
 
 from __future__ import annotations
@@ -10,15 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from pdserve.engine.request_ids import engine_request_id
 from pdserve.output import live
-from pdserve.output.request_state import ChoiceParser, OutputConfig, RequestState
-from pdserve.protocol.engine import EngineRequest, SequenceSampling
+from pdserve.output.request_state import ChoiceParser, OutputConfig
+from pdserve.protocol.engine import EngineRequest, SequenceSampling, sampling_values
 from pdserve.protocol.generate import GenerateRequest
-from pdserve.protocol.kv import parse_kv_transfer_params
+from pdserve.protocol.kv import KVIntent
 from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest
 from pdserve.serve.state import AppState
-from pdserve.serve.validation import resolve_max_tokens
 from pdserve.text.detokenizer import StopConfig
 from pdserve.text.logprobs import chat_top_limit, completion_top_limit
 
@@ -27,15 +26,8 @@ DEFAULT_MAX_LEN = 131072
 # No vocabulary has this many ids: a top_k past it keeps every candidate, as 0 does (the sampler reads any
 # top_k >= vocab so); sent as 0, it stays in the engine wire's 64-bit range.
 TOP_K_KEEPS_ALL = 2**31
-
-
-def parser_context(req: GenerateRequest) -> ChatCompletionRequest | None:
-    """The request's parser context: ``chat_request`` (RFC shape) or ``parse_context`` (what /render emits)."""
-    if req.chat_request is not None:
-        return req.chat_request
-    if req.parse_context is not None:
-        return req.parse_context.to_chat_request()
-    return None
+# Engine sampling fields the server fills in rather than copying from the client's params.
+_SET_BY_SERVER = ("max_tokens", "top_k", "bad_words_token_ids")
 
 
 def make_parser_factory(
@@ -56,50 +48,50 @@ def skip_special_tokens(requested: bool | None, parser_reads_output: bool) -> bo
     return False if parser_reads_output else requested
 
 
-def engine_request(req: GenerateRequest, request_id: str, max_tokens: int, stream_interval: int = 1) -> EngineRequest:
-    """The engine's view of a validated request (validation tokenized ``bad_words`` into id sequences)."""
+def engine_request(
+    req: GenerateRequest,
+    request_id: str,
+    max_tokens: int,
+    stream_interval: int = 1,
+    *,
+    kv: KVIntent,
+    bad_words_token_ids: list[list[int]] | None = None,
+) -> EngineRequest:
+    """The engine's view of a validated request: every engine sampling field as the client's params
+    hold it (:data:`~pdserve.protocol.engine.SAMPLING_FIELDS`), but ``max_tokens`` resolved, ``top_k``
+    fitted to the wire and ``bad_words`` as the id sequences validation tokenized; ``kv`` is the
+    parsed intent of ``kv_transfer_params``."""
     sp = req.sampling_params
-    if sp.bad_words and sp.bad_words_token_ids is None:
-        raise RuntimeError("bad_words reached the engine untokenized: validate_generate must run first")
+    if sp.bad_words and bad_words_token_ids is None:
+        raise RuntimeError("bad_words reached the engine untokenized: build it through admission.admit")
     return EngineRequest(
         request_id=request_id,
         prompt_token_ids=req.token_ids,
         sampling=SequenceSampling(
-            n=sp.n,
+            **sampling_values(sp, skip=_SET_BY_SERVER),
             max_tokens=max_tokens,
-            min_tokens=sp.min_tokens,
-            temperature=sp.temperature,
-            top_p=sp.top_p,
             top_k=0 if sp.top_k >= TOP_K_KEEPS_ALL else sp.top_k,
-            min_p=sp.min_p,
-            seed=sp.seed,
-            stop_token_ids=sp.stop_token_ids,
-            ignore_eos=sp.ignore_eos,
-            presence_penalty=sp.presence_penalty,
-            frequency_penalty=sp.frequency_penalty,
-            repetition_penalty=sp.repetition_penalty,
-            logit_bias=sp.logit_bias,
-            allowed_token_ids=sp.allowed_token_ids,
-            bad_words_token_ids=sp.bad_words_token_ids,
-            logprobs=sp.logprobs,
-            prompt_logprobs=sp.prompt_logprobs,
+            bad_words_token_ids=bad_words_token_ids,
         ),
         kv_transfer_params=req.effective_kv_transfer_params(),
-        kv=parse_kv_transfer_params(req.effective_kv_transfer_params()),
+        kv=kv,
         priority=req.priority,
         extra_args=sp.extra_args,
         stream_interval=stream_interval,
     )
 
 
-def output_config(state: AppState, req: GenerateRequest, completions_cut: bool = False) -> OutputConfig:
-    """Postprocessing for one request. Candidate cuts: chat keeps k (sampled counted first),
-    completions keep k+1, generate ``text`` keeps every candidate the engine returned."""
+def output_config(
+    state: AppState, req: GenerateRequest, context: ChatCompletionRequest | None, completions_cut: bool = False
+) -> OutputConfig:
+    """Postprocessing for one request; ``context`` is its parser context (derender). Candidate cuts:
+    chat keeps k (sampled counted first), completions keep k+1, generate ``text`` keeps every
+    candidate the engine returned."""
     sp = req.sampling_params
     parser_factory = None
     top_limit = None
     if req.output_mode == "derender":
-        parser_factory = make_parser_factory(state, parser_context(req), req.token_ids)
+        parser_factory = make_parser_factory(state, context, req.token_ids)
         top_limit = chat_top_limit(sp.logprobs)
     elif completions_cut:
         top_limit = completion_top_limit(sp.logprobs)
@@ -130,20 +122,6 @@ def stream_interval(state: AppState, req: GenerateRequest) -> int:
         return 1
     asked = max(req.sampling_params.stream_interval or 1, state.config.stream_interval)
     return min(asked, state.require_engine().info.max_model_len)
-
-
-def prepare(
-    state: AppState, req: GenerateRequest, request_id: str, completions_cut: bool = False
-) -> tuple[EngineRequest, RequestState]:
-    """The engine request and its request-scoped output state (call after validation).
-
-    The engine request gets an id of its own (``request_id`` plus a unique suffix, see
-    :mod:`pdserve.engine.request_ids`): a client that reuses an id never collides with, or aborts,
-    another request; responses carry ``request_id`` as the client sent it."""
-    model_max_tokens = state.tokenizer.generation_defaults.get("max_tokens") if state.tokenizer else None
-    max_tokens = resolve_max_tokens(state.require_engine().info.max_model_len, req, model_max_tokens)
-    rstate = RequestState(request_id, req.sampling_params.n, output_config(state, req, completions_cut))
-    return engine_request(req, engine_request_id(request_id), max_tokens, stream_interval(state, req)), rstate
 
 
 # ---------------------------------------------------------------- stateless derender

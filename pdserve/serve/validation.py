@@ -3,25 +3,43 @@
 Rules that the request alone decides live in the protocol validators; these
 need the server's tokenizer, parser config and engine limits. Each failure is a
 400 whose message says how to fix the request.
+
+Validation reads the request once and hands back what it parsed on the way (:class:`Checked`: the KV
+intent, the parser context, bad_words as id sequences), so admission (:mod:`pdserve.serve.admission`)
+builds the engine request from those values instead of parsing them again, and the client's request
+is never written to.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from pdserve.protocol.engine import EngineInfo
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import GenerateRequest
 from pdserve.protocol.kv import PARAM as KV_PARAM
-from pdserve.protocol.kv import parse_kv_transfer_params
+from pdserve.protocol.kv import KVIntent, parse_kv_transfer_params
+from pdserve.protocol.openai import ChatCompletionRequest
 from pdserve.protocol.sampling import MAX_BAD_WORD_SEQUENCES, SamplingParams
 from pdserve.serve.state import AppState
 from pdserve.text.tokenizer import Tokenizer
 
 
-def _check_kv_transfer(info: EngineInfo, req: GenerateRequest) -> None:
+class Checked(NamedTuple):
+    """What validating a request parsed, each once: the request's KV hand-off intent, its parser context
+    (derender only; None: plain text into ``message.content``) and its bad_words as banned id sequences
+    (None when it has none)."""
+
+    kv: KVIntent
+    chat_context: ChatCompletionRequest | None
+    bad_words_token_ids: list[list[int]] | None
+
+
+def _check_kv_transfer(info: EngineInfo, req: GenerateRequest) -> KVIntent:
     """kv_transfer_params (vLLM NixlConnector keys) well formed, and a hand-off this server can do."""
     kv = parse_kv_transfer_params(req.effective_kv_transfer_params())
     if not kv.any:
-        return
+        return kv
     if info.kv is None:
         raise RequestError(
             "kv_transfer_params ask for a KV hand-off (do_remote_decode / do_remote_prefill), but this server "
@@ -36,9 +54,25 @@ def _check_kv_transfer(info: EngineInfo, req: GenerateRequest) -> None:
             "its KV; ask for prompt_logprobs on the prefill leg",
             param="sampling_params.prompt_logprobs",
         )
+    return kv
 
 
-def validate_generate(state: AppState, req: GenerateRequest) -> None:
+def chat_context(req: GenerateRequest) -> ChatCompletionRequest | None:
+    """The request's parser context: ``chat_request`` (RFC shape) or ``parse_context`` (what /render
+    emits) as a message-less chat request; a parse_context that does not hold together is a 400."""
+    if req.chat_request is not None:
+        return req.chat_request
+    if req.parse_context is None:
+        return None
+    try:
+        return req.parse_context.to_chat_request()
+    except ValueError as e:
+        raise RequestError(str(e), param="parse_context") from None
+
+
+def validate_generate(state: AppState, req: GenerateRequest) -> Checked:
+    """Every server-side rule, in DESIGN.md's order (the first broken one is the 400); what the checks
+    parsed comes back, for admission to build from."""
     engine = state.require_engine()
     info = engine.info
     sp = req.sampling_params
@@ -77,6 +111,7 @@ def validate_generate(state: AppState, req: GenerateRequest) -> None:
             param="sampling_params.bad_words",
         )
     # Rule 4: parser configured but no context -> raw markup would leak into content.
+    context = None
     if req.output_mode == "derender":
         parsers = state.parser_config
         if parsers is not None and parsers.configured and req.chat_request is None and req.parse_context is None:
@@ -86,12 +121,8 @@ def validate_generate(state: AppState, req: GenerateRequest) -> None:
                 "use output_mode='text' for plain text",
                 param="parse_context",
             )
-        if req.parse_context is not None:
-            try:
-                req.parse_context.to_chat_request()
-            except ValueError as e:
-                raise RequestError(str(e), param="parse_context") from None
-    _check_kv_transfer(info, req)
+        context = chat_context(req)
+    kv = _check_kv_transfer(info, req)
     # Rule 6: limits.
     bad = next((t for t in req.token_ids if t >= info.vocab_size), None)
     if bad is not None:
@@ -99,8 +130,9 @@ def validate_generate(state: AppState, req: GenerateRequest) -> None:
             f"token_ids: token id {bad} is outside the vocabulary (size {info.vocab_size})", param="token_ids"
         )
     _check_sampling_ids(sp, info.vocab_size)
+    banned = None
     if sp.bad_words and state.tokenizer is not None:
-        sp.set_bad_words_token_ids(bad_words_token_ids(state.tokenizer, sp.bad_words, info.vocab_size))
+        banned = bad_words_token_ids(state.tokenizer, sp.bad_words, info.vocab_size)
     if sp.n > info.max_num_seqs:
         raise RequestError(f"n={sp.n} is over this server's limit of {info.max_num_seqs} sequences", param="n")
     prompt_len = len(req.token_ids)
@@ -126,6 +158,7 @@ def validate_generate(state: AppState, req: GenerateRequest) -> None:
             )
     if sp.min_tokens > (sp.max_tokens or info.max_model_len - prompt_len):
         raise RequestError("min_tokens is larger than the room left for generation", param="sampling_params.min_tokens")
+    return Checked(kv, context, banned)
 
 
 def _check_sampling_ids(sp: SamplingParams, vocab_size: int) -> None:
@@ -174,11 +207,3 @@ def bad_words_token_ids(tokenizer: Tokenizer, words: list[str], vocab_size: int)
         )
     return sequences
 
-
-def resolve_max_tokens(max_model_len: int, req: GenerateRequest, model_max_tokens: int | None = None) -> int:
-    """The client's max_tokens, or all the room left in the model length when it sent none, capped by the
-    model's generation_config.json ``max_new_tokens`` (``model_max_tokens``) as vLLM's generate does."""
-    if req.sampling_params.max_tokens is not None:
-        return req.sampling_params.max_tokens
-    room = max_model_len - len(req.token_ids)
-    return room if model_max_tokens is None else max(1, min(room, model_max_tokens))

@@ -36,6 +36,7 @@ from pdserve.protocol.engine import (
     EngineStats,
     PositionLogprobs,
     SequenceSampling,
+    sampling_values,
 )
 from pdserve.protocol.errors import RequestError
 
@@ -77,24 +78,11 @@ def sampling_params(sampling: SequenceSampling, request: EngineRequest) -> Any:
     extra_args = dict(request.extra_args or {})
     if request.kv_transfer_params is not None:
         extra_args["kv_transfer_params"] = request.kv_transfer_params
+    # Every engine sampling field under its own name (vLLM spells them so), but the bad_words sequences
+    # refused above; vLLM keeps the stop ids list, so it gets a copy.
     return SamplingParams(
-        n=sampling.n,
-        max_tokens=sampling.max_tokens,
-        min_tokens=sampling.min_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        min_p=sampling.min_p,
-        seed=sampling.seed,
+        **sampling_values(sampling, skip=("bad_words_token_ids", "stop_token_ids")),
         stop_token_ids=list(sampling.stop_token_ids),
-        ignore_eos=sampling.ignore_eos,
-        presence_penalty=sampling.presence_penalty,
-        frequency_penalty=sampling.frequency_penalty,
-        repetition_penalty=sampling.repetition_penalty,
-        logit_bias=sampling.logit_bias,
-        allowed_token_ids=sampling.allowed_token_ids,
-        logprobs=sampling.logprobs,
-        prompt_logprobs=sampling.prompt_logprobs,
         detokenize=False,
         skip_special_tokens=False,
         output_kind=RequestOutputKind.DELTA,
@@ -126,7 +114,7 @@ def model_info(model_dir: Path, spec: EngineSpec) -> EngineInfo:
 
 
 @dataclass
-class _Live:
+class _RunningRequest:
     """A running request: its sequence count and the sequences the frontend stopped (stop strings)."""
 
     n: int
@@ -142,7 +130,7 @@ class VllmEngine:
         self.spec = spec
         self.info = model_info(model_dir, spec)
         self._llm: Any = None
-        self._running: dict[str, _Live] = {}
+        self._running: dict[str, _RunningRequest] = {}
 
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> VllmEngine:
@@ -205,7 +193,7 @@ class VllmEngine:
             raise EngineDeadError("the vLLM engine is not running")
         with vllm_errors():
             params = sampling_params(request.sampling, request)
-        live = _Live(request.sampling.n)
+        live = _RunningRequest(request.sampling.n)
         stopped, finished = live.stopped, set[int]()
         self._running[request.request_id] = live
         prompt_logprobs_sent = False

@@ -8,11 +8,10 @@ from fastapi.responses import Response
 from pdserve.output.surfaces import generate_surface
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import AbortRequest, GenerateRequest
+from pdserve.serve.admission import admit
 from pdserve.serve.http.body import parse_body
-from pdserve.serve.requests import prepare
 from pdserve.serve.responses import respond
 from pdserve.serve.state import app_state
-from pdserve.serve.validation import validate_generate
 
 router = APIRouter()
 
@@ -24,14 +23,13 @@ async def generate(request: Request) -> Response:
     try:
         req = await parse_body(request, GenerateRequest)
         mode = req.output_mode
-        validate_generate(state, req)
+        # vLLM's wire behaviour: every generate request id takes this prefix, whatever its output_mode
+        # (clients abort by it). Keep it as vLLM spells it.
+        request_id = "generate-tokens-" + (request.headers.get("x-request-id") or req.request_id)
+        ereq, rstate = admit(state, req, request_id).pair
     except RequestError as e:
         state.metrics.requests.labels("generate", mode, str(e.status)).inc()
         raise
-    # vLLM's wire behaviour: every generate request id takes this prefix, whatever its output_mode
-    # (clients abort by it). Keep it as vLLM spells it.
-    request_id = "generate-tokens-" + (request.headers.get("x-request-id") or req.request_id)
-    ereq, rstate = prepare(state, req, request_id)
     opts = req.stream_options
     surface = generate_surface(req.output_mode)(
         request_id, state.model_name, want_logprobs=rstate.config.want_logprobs,

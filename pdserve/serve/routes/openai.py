@@ -10,12 +10,11 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.output.surfaces import ChatSurface, CompletionsSurface
 from pdserve.protocol.generate import GenerateRequest
 from pdserve.protocol.openai import ChatCompletionRequest, CompletionRequest
+from pdserve.serve.admission import admit
 from pdserve.serve.http.body import parse_body
 from pdserve.serve.render import render_chat, render_completion
-from pdserve.serve.requests import prepare
 from pdserve.serve.responses import respond
 from pdserve.serve.state import app_state
-from pdserve.serve.validation import validate_generate
 
 render_router = APIRouter()
 coupled_router = APIRouter()
@@ -50,9 +49,8 @@ async def chat_completions(request: Request) -> Response:
     chat = await parse_body(request, ChatCompletionRequest)
     gen = render_chat(state, chat, request.headers.get("x-request-id"))
     gen.output_mode = "derender"
-    validate_generate(state, gen)
     response_id = gen.request_id
-    prepared = [prepare(state, gen, response_id)]
+    prepared = [admit(state, gen, response_id).pair]
     opts = chat.stream_options
     surface = ChatSurface(
         response_id, state.model_name, n=len(prepared[0][1].choices), return_token_ids=bool(chat.return_token_ids),
@@ -68,9 +66,8 @@ async def completions(request: Request) -> Response:
     gens = render_completion(state, req, request.headers.get("x-request-id"))
     for gen in gens:
         gen.output_mode = "text"
-        validate_generate(state, gen)
     response_id = gens[0].request_id.removesuffix("-0")
-    prepared = [prepare(state, gen, gen.request_id, completions_cut=True) for gen in gens]
+    prepared = [admit(state, gen, gen.request_id, completions_cut=True).pair for gen in gens]
     surface = CompletionsSurface(
         response_id, state.model_name, n=req.n, return_token_ids=bool(req.return_token_ids),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),

@@ -13,11 +13,11 @@ from pdserve.engine.runners.scripted import ScriptedEngine
 from pdserve.engine.spec import TokenScript
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import GenerateRequest
+from pdserve.serve.admission import admit
 from pdserve.serve.config import ServerConfig
 from pdserve.serve.metrics import Metrics
-from pdserve.serve.requests import engine_request, prepare
 from pdserve.serve.state import AppState
-from pdserve.serve.validation import bad_words_token_ids, validate_generate
+from pdserve.serve.validation import bad_words_token_ids
 from pdserve.text.tokenizer import Tokenizer
 
 TOKENIZER = Tokenizer.load("qwen3")
@@ -32,8 +32,7 @@ def state(tokens_only: bool = False) -> AppState:
 
 def prepared(sampling: dict, tokens_only: bool = False):  # type: ignore[no-untyped-def]
     req = GenerateRequest.model_validate({"token_ids": [9707, 11], "sampling_params": sampling})
-    validate_generate(state(tokens_only), req)
-    return engine_request(req, "r", 8).sampling
+    return admit(state(tokens_only), req, "r").engine_request.sampling
 
 
 def test_penalties_bias_and_allowed_ids_reach_the_engine() -> None:
@@ -98,8 +97,7 @@ def test_any_accepted_int_fits_the_engine_wire(top_k: int, interval: int | None,
     app = state()
     req = GenerateRequest.model_validate({"token_ids": [9707, 11], "stream": stream,
                                           "sampling_params": {"top_k": top_k, "stream_interval": interval}})
-    validate_generate(app, req)
-    ereq, _ = prepare(app, req, "r")
+    ereq = admit(app, req, "r").engine_request
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(ereq), type=type(ereq))
     assert back.sampling.top_k == (top_k if top_k < 2**31 else 0)
     assert back.stream_interval == (min(interval or 1, app.require_engine().info.max_model_len) if stream else 1)
