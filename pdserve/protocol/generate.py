@@ -123,6 +123,16 @@ class GenerateRequest(BaseModel):
             raise ValueError("multimodal content_parts are not supported: pdserve serves text only; send null")
         return value
 
+    @property
+    def detokenizes(self) -> bool:
+        """Whether the output is text (``text``, ``derender``): serving it takes a tokenizer."""
+        return self.output_mode != "tokens"
+
+    @property
+    def derenders(self) -> bool:
+        """Whether the output is an OpenAI message (``derender``): the request's parsers read it."""
+        return self.output_mode == "derender"
+
     @model_validator(mode="after")
     def _check_request(self) -> GenerateRequest:
         # DESIGN.md validation rules 2, 3 and 6 (the request alone decides these).

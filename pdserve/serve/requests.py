@@ -90,7 +90,7 @@ def output_config(
     sp = req.sampling_params
     parser_factory = None
     top_limit = None
-    if req.output_mode == "derender":
+    if req.derenders:
         parser_factory = make_parser_factory(state, context, req.token_ids)
         top_limit = chat_top_limit(sp.logprobs)
     elif completions_cut:

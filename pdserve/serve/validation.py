@@ -91,7 +91,7 @@ def validate_generate(state: AppState, req: GenerateRequest) -> Checked:
             param="priority",
         )
     # Rule 1: text/derender need a tokenizer.
-    if req.output_mode != "tokens" and state.tokenizer is None:
+    if req.detokenizes and state.tokenizer is None:
         raise RequestError(
             f"output_mode={req.output_mode!r} needs a tokenizer, but this server runs --tokens-only; "
             "send output_mode='tokens' or route the request to a server that loads a tokenizer",
@@ -112,7 +112,7 @@ def validate_generate(state: AppState, req: GenerateRequest) -> Checked:
         )
     # Rule 4: parser configured but no context -> raw markup would leak into content.
     context = None
-    if req.output_mode == "derender":
+    if req.derenders:
         parsers = state.parser_config
         if parsers is not None and parsers.configured and req.chat_request is None and req.parse_context is None:
             raise RequestError(

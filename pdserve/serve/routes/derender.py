@@ -2,7 +2,7 @@
 
 Each handler parses, validates against this server (model length, vocabulary, parser context),
 calls :mod:`pdserve.output.derender` to replay and advance the client's state, and responds with
-the same builders as the coupled endpoints. A streamed chunk that follows the previous one of its
+the same surfaces (:mod:`pdserve.output.surfaces`) as the coupled endpoints. A streamed chunk that follows the previous one of its
 stream continues the state cached by that chunk (``--derender-cache-entries``) where there is one.
 """
 
@@ -17,8 +17,8 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.output import derender
 from pdserve.output.derender_cache import StreamKey, ids_digest, text_digest
-from pdserve.output.openai_builders import chat_chunk, chat_response, completion_chunk, completion_response
 from pdserve.output.policy import usage_chunk, usage_of
+from pdserve.output.surfaces import ChatSurface, CompletionsSurface
 from pdserve.protocol.derender import (
     DerenderChatStreamRequest,
     DerenderCompletionStreamRequest,
@@ -164,9 +164,10 @@ async def chat_derender(request: Request) -> Response:
         config = derender_chat_config(state, chat, prompt_ids, stop, False, c.logprobs is not None)
         choices.append(derender.replay_final(config, c, gen.request_id))
     completion = sum(len(c.token_ids or []) for c in gen.choices)
-    response = chat_response(
-        choices, gen.request_id, req.model or state.model_name, usage_of(req.prompt_tokens or 0, completion),
-        bool(chat and chat.return_token_ids), prompt_token_ids=gen.prompt_token_ids,
+    surface = ChatSurface(gen.request_id, req.model or state.model_name,
+                          return_token_ids=bool(chat and chat.return_token_ids))
+    response = surface.answer(
+        choices, usage_of(req.prompt_tokens or 0, completion), prompt_token_ids=gen.prompt_token_ids,
         kv_transfer_params=gen.kv_transfer_params, echoed_token_ids=[c.token_ids for c in gen.choices],
         metrics=gen.metrics,  # passed through, as vLLM does
     )
@@ -189,14 +190,14 @@ def _chat_derender_stream(req: DerenderChatStreamRequest, state: AppState) -> Re
     choice = _stream_choice(state, gchunk.choices, _sent_n(chat))
     prompt_ids = req.prompt_token_ids or gchunk.prompt_token_ids or []
     _check_prompt(state, prompt_ids)
-    model = req.model or state.model_name
+    surface = ChatSurface(gchunk.request_id, req.model or state.model_name,
+                          return_token_ids=bool(chat and chat.return_token_ids))
     usage = None
     if gchunk.usage is not None:
         completion = gchunk.usage.completion_tokens or 0
         usage = usage_of(req.prompt_tokens or gchunk.usage.prompt_tokens or 0, completion)
     if choice is None:
-        head = {"id": gchunk.request_id, "object": "chat.completion.chunk", "model": model}
-        return _stream_response(usage_chunk(head, usage, drop_nulls=False), previous)
+        return _stream_response(usage_chunk(surface.usage_head(), usage, drop_nulls=False), previous)
     previous = derender.carried_state(
         state.tokenizer, previous, len(prompt_ids), len(choice.token_ids or []), parsed, max_model_len(state),  # type: ignore[arg-type]
         state.output_vocab_size,
@@ -204,8 +205,8 @@ def _chat_derender_stream(req: DerenderChatStreamRequest, state: AppState) -> Re
     config = derender_chat_config(state, chat, prompt_ids, stop_tokens_config(state, chat), True, False)
     resume = _resume(state, "chat", gchunk.request_id, choice.index, prompt_ids, chat)
     step = derender.advance(config, previous, parsed, choice, gchunk.request_id, derender_chat_top_limit(chat), resume)
-    chunk = chat_chunk(step.choice, step.update, gchunk.request_id, model, bool(chat and chat.return_token_ids),
-                       usage, logprobs=step.update.decoded_logprobs, metrics=gchunk.metrics)
+    step.update.hides_metadata = step.choice.hides_metadata
+    chunk = surface.build(step.update, usage, gchunk.metrics)
     return _stream_response(chunk, step.state)
 
 
@@ -234,10 +235,11 @@ async def completion_derender(request: Request) -> Response:
             group.append(derender.replay_final(config, c, gen.request_id))
         groups.append(sorted(group, key=lambda cs: cs.index))
     completion = sum(len(c.token_ids) for group in groups for c in group)
-    response = completion_response(
-        groups, req.generate_responses[0].request_id, req.model or state.model_name,
-        usage_of(sum(req.prompt_tokens or []), completion), bool(creq and creq.return_token_ids),
-        metrics=req.generate_responses[0].metrics if n == 1 else None,  # vLLM: only for one response
+    surface = CompletionsSurface(req.generate_responses[0].request_id, req.model or state.model_name,
+                                 return_token_ids=bool(creq and creq.return_token_ids))
+    response = surface.answer(
+        groups, usage_of(sum(req.prompt_tokens or []), completion),
+        req.generate_responses[0].metrics if n == 1 else None,  # vLLM: only for one response
     )
     return JSONResponse(response.model_dump(mode="json"))
 
@@ -252,11 +254,10 @@ def _completion_derender_stream(req: DerenderCompletionStreamRequest, state: App
     choice = _stream_choice(state, gchunk.choices, _sent_n(creq))
     prompt_ids = req.prompt_token_ids or gchunk.prompt_token_ids or []
     _check_prompt(state, prompt_ids)
-    model = req.model or state.model_name
+    surface = CompletionsSurface(gchunk.request_id, req.model or state.model_name,
+                                 return_token_ids=bool(creq and creq.return_token_ids))
     if choice is None:
-        head = {"id": gchunk.request_id, "object": "text_completion", "model": model}
-        chunk = usage_chunk(head, gchunk.usage, drop_nulls=False)
-        return _stream_response(chunk, previous)
+        return _stream_response(usage_chunk(surface.usage_head(), gchunk.usage, drop_nulls=False), previous)
     previous = derender.carried_state(
         state.tokenizer, previous, len(prompt_ids), len(choice.token_ids or []), False, max_model_len(state),  # type: ignore[arg-type]
         state.output_vocab_size,
@@ -265,8 +266,7 @@ def _completion_derender_stream(req: DerenderCompletionStreamRequest, state: App
     top_limit = completion_top_limit(creq.logprobs if creq is not None else None)
     resume = _resume(state, "completion", gchunk.request_id, choice.index, prompt_ids, creq)
     step = derender.advance(config, previous, False, choice, gchunk.request_id, top_limit, resume)
-    chunk = completion_chunk(step.update, choice.index, previous.logprob_text_offset, gchunk.request_id, model,
-                             bool(creq and creq.return_token_ids), None, gchunk.metrics)
+    chunk = surface.choice_chunk(step.update, choice.index, previous.logprob_text_offset, None, gchunk.metrics)
     step.state.logprob_text_offset = derender.next_text_offset(previous.logprob_text_offset, step.update)
     return _stream_response(chunk, step.state)
 
