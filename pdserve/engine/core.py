@@ -13,7 +13,7 @@ runs on a thread over an ``inproc://`` socket instead (:mod:`pdserve.engine.inpr
 
 Supervision: :func:`start_engine_core` spawns the core and waits for its handshake;
 clients learn the core's pid and ``EngineInfo`` on connect and receive a heartbeat with
-stats every :data:`HEARTBEAT_INTERVAL_S`. The core exits when a step fails (after telling its
+stats every ``core_server.HEARTBEAT_INTERVAL_S``. The core exits when a step fails (after telling its
 clients) or when its parent process goes away.
 """
 
@@ -35,7 +35,7 @@ import msgspec
 import zmq
 
 from pdserve.engine.api import EngineError
-from pdserve.engine.core_server import HEARTBEAT_INTERVAL_S, CoreServer, EngineCoreAddresses
+from pdserve.engine.core_server import CoreServer, EngineCoreAddresses
 from pdserve.engine.factory import build_core
 from pdserve.engine.spec import EngineSpec
 from pdserve.protocol.engine import EngineInfo
@@ -140,5 +140,3 @@ def run_engine_core(spec: EngineSpec, addresses: EngineCoreAddresses, ready: Con
         sock.close()
         ctx.term()
 
-
-__all__ = ["HEARTBEAT_INTERVAL_S", "CoreServer", "EngineCoreAddresses", "EngineCoreHandle", "start_engine_core"]

@@ -211,8 +211,8 @@ def _serve_app(config: ServerConfig, engine: Engine | None, tokenizer: Tokenizer
 
 def _frontend_main(config: ServerConfig, index: int) -> None:
     """Entry point of one spawned frontend process (connects to the running engine core)."""
-    from pdserve.engine.core import EngineCoreAddresses
     from pdserve.engine.core_client import EngineCoreClient
+    from pdserve.engine.core_server import EngineCoreAddresses
 
     logging.basicConfig(level=config.log_level.upper(), format=f"%(asctime)s frontend-{index} %(levelname)s: %(message)s")
     tokenizer = load_tokenizer(config)

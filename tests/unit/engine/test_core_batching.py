@@ -15,7 +15,7 @@ import msgspec.structs
 import pytest
 
 from pdserve.engine.channels import OutputChannels
-from pdserve.engine.core import CoreServer
+from pdserve.engine.core_server import CoreServer
 from pdserve.engine.messages import AddRequest, CoreMessage, Hello, Ready, StepOutputs
 from pdserve.engine.runners.torch_runner import TorchSetup
 from pdserve.engine.step_loop import StepLoop
