@@ -29,14 +29,18 @@ class AdmittedRequest:
     """A request this server accepted, with everything computed for it (each once).
 
     ``engine_request`` goes to the engine; ``request_state`` (its ``config`` the output config) turns the
-    engine's outputs into the response; ``kv`` is the parsed intent of ``kv_transfer_params`` and
-    ``chat_context`` the parser context (derender; else None), as validation parsed them."""
+    engine's outputs into the response; ``chat_context`` is the parser context (derender; else None), as
+    validation parsed it."""
 
     request: GenerateRequest
     engine_request: EngineRequest
     request_state: RequestState
-    kv: KVIntent
     chat_context: ChatCompletionRequest | None
+
+    @property
+    def kv(self) -> KVIntent:
+        """The parsed intent of ``kv_transfer_params`` (validation parsed it; the engine request carries it)."""
+        return self.engine_request.kv
 
     @property
     def output_config(self) -> OutputConfig:
@@ -71,7 +75,7 @@ def admit(
     rstate = RequestState(
         request_id, req.sampling_params.n, output_config(state, req, checked.chat_context, completions_cut)
     )
-    return AdmittedRequest(req, ereq, rstate, checked.kv, checked.chat_context)
+    return AdmittedRequest(req, ereq, rstate, checked.chat_context)
 
 
 def resolve_max_tokens(
