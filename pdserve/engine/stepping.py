@@ -1,16 +1,17 @@
-"""The step-loop contract every driver runs: the engine core process's loop and the in-process torch thread.
+"""The step-loop contract the one engine loop (:mod:`pdserve.engine.core_server`) drives, in an engine-core
+process or on an in-process engine's thread: the torch step loop and the scripted core both keep it.
 
 A :class:`StepCore` owns all request state and is only ever touched by one thread. Its driver, each
-turn, drains its inbox (:func:`apply` per command), calls ``poll()``, calls ``step()`` when there is
-work, and sends what :meth:`StepCore.take_outputs` returns as one
-:class:`~pdserve.engine.messages.StepOutputs`.
+turn, drains its inbox (``validate`` then ``add`` per new request; ``abort``, ``stop_sequence``),
+calls ``poll()``, calls ``step()`` when there is work, and sends what :meth:`StepCore.take_outputs`
+returns as one :class:`~pdserve.engine.messages.StepOutputs`.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from pdserve.engine.messages import AbortRequests, AddRequest, Command, StepOutputs, StopSequence
+from pdserve.engine.messages import StepOutputs
 from pdserve.protocol.engine import EngineInfo, EngineRequest, EngineStats
 
 
@@ -41,12 +42,3 @@ class StepCore(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-
-def apply(core: StepCore, command: Command) -> None:
-    """Run one (already validated) command on the core; its outputs join the next batch."""
-    if isinstance(command, AddRequest):
-        core.add(command.request)
-    elif isinstance(command, AbortRequests):
-        core.abort(command.request_ids, command.cause)
-    elif isinstance(command, StopSequence):
-        core.stop_sequence(command.request_id, command.index)
