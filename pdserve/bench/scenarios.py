@@ -302,8 +302,7 @@ def growth(p: Profile, docs: Path) -> Section:
     """(5) API CPU per output token at growing output lengths, per output mode and for the tier."""
     lengths = p.growth_lengths
     with scripts_file(lengths, 2) as (path, scripts):
-        # Two API processes put the scripted engine in its own core process, so API CPU is the API's alone.
-        server = scripted_server("growth", path, 1.0, "--api-server-count", "2")
+        server = scripted_server("growth", path, 1.0)
         tier = ServerProcess("derender", ["launch", "render", "--tokenizer", "qwen3", *PARSERS])
         results, commands = [], []
         with running(server, tier):

@@ -7,8 +7,7 @@ up to and including the first that carries a token, and the one that finishes it
 
 It runs in one place, the engine: a request's outputs are held before they leave the engine's loop
 (:class:`StreamIntervals`, in the one engine loop, :mod:`pdserve.engine.core_server`, whether the core
-process or an in-process torch engine's thread runs it; the in-process scripted engine folds its
-request's iterator; the vLLM engine passes
+process or an in-process engine's thread runs it; the vLLM engine passes
 the interval to vLLM, whose output processor holds the steps in between). The API process is then
 woken once per chunk, not once per step, and the frontend's driver (:mod:`pdserve.serve.driver`)
 forwards what it gets: the detokenizer, the parsers and the chunk builders run once per chunk with

@@ -3,11 +3,12 @@ run one or more uvicorn frontends.
 
 Layouts:
 
-* render server (no engine) and the scripted engine with one frontend: one process.
-* the torch engine, or ``--api-server-count N > 1``: the engine core runs in its own
-  process; the frontends (this process for N = 1, N spawned processes otherwise, all
-  listening on the same port with SO_REUSEPORT) reach it through EngineCoreClient.
-  The supervisor stops everything when any part exits or on SIGINT/SIGTERM.
+* render server (no engine), and the vLLM engine (its AsyncLLM has its own core process): one process.
+* the torch and the scripted engine: the engine core runs in its own process, so the API process's
+  CPU is the frontend's alone (what the benchmarks measure); the frontends (this process for
+  ``--api-server-count`` 1, N spawned processes otherwise, all listening on the same port with
+  SO_REUSEPORT) reach it through EngineCoreClient. The supervisor stops everything when any part
+  exits or on SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ def run_server(config: ServerConfig) -> int:
         if config.api_server_count < 1:
             raise ValueError("--api-server-count must be at least 1")
         spec = config.engine
-        if spec is None or spec.kind == "vllm" or (spec.kind == "scripted" and config.api_server_count == 1):
+        if spec is None or spec.kind == "vllm":
             engine = build_engine(spec) if spec is not None else None
             _serve_app(config, engine, tokenizer, parsers, _bind(config.host, config.port, reuse_port=False))
             return 0

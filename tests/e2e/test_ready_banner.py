@@ -18,7 +18,7 @@ def test_a_generate_server_with_parsers_names_its_model_engine_parsers_and_route
                        "--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--max-num-seqs", "4") as srv:
         text = banner(srv)
         assert f"pdserve ready on {srv.url}" in text
-        assert "engine     scripted (in-process); max_model_len" in text and "max_num_seqs 4" in text
+        assert "engine     scripted (engine-core process " in text and "max_model_len" in text and "max_num_seqs 4" in text
         assert "tokenizer  qwen3" in text
         assert "parsers    reasoning qwen3, tools hermes" in text
         assert "streams    a chunk per engine step" in text

@@ -16,10 +16,9 @@ chosen round-robin per request unless ``sampling_params.extra_args.script_index`
 picks one. A script may set ``fail_after`` to make the engine raise :class:`EngineError`
 for its request after N tokens (for error-path tests).
 
-:class:`ScriptedCore` holds the replay state behind the step-loop contract, so the engine-core
-process drives it like any step loop (a step every ``step_ms``). ``runners/scripted.ScriptedEngine``, the
-in-process engine, advances each request from its own iterator instead, so a request only runs
-as fast as its consumer reads it.
+:class:`ScriptedCore` holds the replay state behind the step-loop contract, so the one engine loop
+(:mod:`pdserve.engine.core_server`) drives it like any step loop, a step every ``step_ms``: in the
+engine core process, or on a thread of this process (``runners/scripted.ScriptedEngine``).
 """
 
 from __future__ import annotations
@@ -152,9 +151,6 @@ class ScriptedCore:
             raise EngineError(f"invalid request {request.request_id!r}: " + "; ".join(problems))
 
     def add(self, request: EngineRequest) -> None:
-        self.start(request)
-
-    def start(self, request: EngineRequest) -> ReplayingRequest:
         """Pick the request's script (``extra_args.script_index``, else round robin) and track it."""
         if request.request_id in self._live:
             raise ValueError(f"request id {request.request_id!r} is already running")
@@ -167,22 +163,15 @@ class ScriptedCore:
         seed = sampling.seed if sampling.seed is not None else 0
         allowed = None if sampling.allowed_token_ids is None else frozenset(sampling.allowed_token_ids)
         seqs = [_Sequence(i, script.token_ids, random.Random(seed + i), allowed=allowed) for i in range(sampling.n)]
-        live = ReplayingRequest(request, script, seqs, self.info.max_model_len - len(request.prompt_token_ids))
-        self._live[request.request_id] = live
-        return live
-
-    def forget(self, request_id: str) -> None:
-        self._live.pop(request_id, None)
+        self._live[request.request_id] = ReplayingRequest(
+            request, script, seqs, self.info.max_model_len - len(request.prompt_token_ids)
+        )
 
     def abort(self, request_ids: list[str], cause: str | None) -> None:
         """Mark requests aborted: their next step ends each unfinished sequence with ``"abort"``."""
         for request_id in matching(request_ids, list(self._live)):
             live = self._live[request_id]
             live.aborted, live.abort_cause = True, cause
-
-    def abort_all(self) -> None:
-        """The engine shuts down: its own abort (no cause), which frontends report as a failure."""
-        self.abort(list(self._live), None)
 
     def stop_sequence(self, request_id: str, index: int) -> None:
         live = self._live.get(request_id)
@@ -203,20 +192,20 @@ class ScriptedCore:
 
     def step(self) -> None:
         for request_id, live in list(self._live.items()):
-            outputs, failure = self.advance(live)
+            outputs, failure = self._advance(live)
             self._out.outputs.extend(outputs)
             if failure is not None:
                 self._out.failed.append(RequestFailed(request_id, str(failure)))
             elif live.over:
                 self._out.finished.append(request_id)
             if failure is not None or live.over:
-                self.forget(request_id)
+                del self._live[request_id]
 
     def take_outputs(self) -> StepOutputs:
         out, self._out = self._out, StepOutputs()
         return out
 
-    def advance(self, live: ReplayingRequest) -> tuple[list[EngineOutput], EngineError | None]:
+    def _advance(self, live: ReplayingRequest) -> tuple[list[EngineOutput], EngineError | None]:
         """One step of one request: its outputs, and the error that ends it (a script's ``fail_after``).
 
         A request whose sequences are all done is ``over`` one step after its last output.

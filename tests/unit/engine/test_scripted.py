@@ -1,8 +1,10 @@
-"""The scripted engine honours the engine-side sampling rules."""
+"""The scripted engine honours the engine-side sampling rules (its core in the one engine loop, on a thread)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import pytest
 
@@ -13,6 +15,7 @@ from pdserve.protocol.engine import EngineOutput, EngineRequest, SequenceSamplin
 
 EOS = 99
 SCRIPT = [10, 11, 12, 13, 14]
+T = TypeVar("T")
 
 
 def engine(**kw) -> ScriptedEngine:  # type: ignore[no-untyped-def]
@@ -20,14 +23,29 @@ def engine(**kw) -> ScriptedEngine:  # type: ignore[no-untyped-def]
     return ScriptedEngine(scripts, vocab_size=100, eos_token_ids=[EOS, 98], **kw)
 
 
-def run(eng: ScriptedEngine, rid: str = "r", prompt=(1, 2, 3), extra_args=None, **sampling) -> list[EngineOutput]:  # type: ignore[no-untyped-def]
-    async def go() -> list[EngineOutput]:
+def request(rid: str = "r", prompt=(1, 2, 3), extra_args=None, **sampling) -> EngineRequest:  # type: ignore[no-untyped-def]
+    return EngineRequest(request_id=rid, prompt_token_ids=list(prompt), sampling=SequenceSampling(**sampling),
+                         extra_args=extra_args)
+
+
+async def collect(eng: ScriptedEngine, req: EngineRequest) -> list[EngineOutput]:
+    return [o async for o in eng.generate(req)]
+
+
+def serve(eng: ScriptedEngine, work: Callable[[], Awaitable[T]]) -> T:
+    """Run ``work`` against the started engine in one event loop, then shut the engine down."""
+    async def go() -> T:
         await eng.start()
-        req = EngineRequest(request_id=rid, prompt_token_ids=list(prompt), sampling=SequenceSampling(**sampling),
-                            extra_args=extra_args)
-        return [o async for o in eng.generate(req)]
+        try:
+            return await work()
+        finally:
+            await eng.shutdown()
 
     return asyncio.run(go())
+
+
+def run(eng: ScriptedEngine, rid: str = "r", prompt=(1, 2, 3), extra_args=None, **sampling) -> list[EngineOutput]:  # type: ignore[no-untyped-def]
+    return serve(eng, lambda: collect(eng, request(rid, prompt, extra_args, **sampling)))
 
 
 def ids(outs: list[EngineOutput], index: int = 0) -> list[int]:
@@ -83,31 +101,52 @@ def test_seeded_logprobs_are_reproducible_and_sampled_first() -> None:
 
 def test_script_index_pick_and_round_robin() -> None:
     eng = engine(scripts=[TokenScript([1]), TokenScript([2])])
-    assert ids(run(eng, "a")) == [1, EOS]
-    assert ids(run(eng, "b")) == [2, EOS]
-    assert ids(run(eng, "c", extra_args={"script_index": 1})) == [2, EOS]
-    assert ids(run(eng, "d")) == [1, EOS]
+
+    async def in_turn() -> list[list[int]]:
+        picks = [("a", None), ("b", None), ("c", {"script_index": 1}), ("d", None)]
+        return [ids(await collect(eng, request(rid, extra_args=extra))) for rid, extra in picks]
+
+    assert serve(eng, in_turn) == [[1, EOS], [2, EOS], [2, EOS], [1, EOS]]
 
 
 def test_abort_and_stop_sequence() -> None:
+    eng = engine(step_ms=5)
+
     async def go() -> tuple[list[EngineOutput], int]:
-        eng = engine(step_ms=5)
-        await eng.start()
-        req = EngineRequest(request_id="x", prompt_token_ids=[1], sampling=SequenceSampling(
-            n=2, max_tokens=1000, ignore_eos=True))
         outs = []
-        async for out in eng.generate(req):
+        async for out in eng.generate(request("x", prompt=[1], n=2, max_tokens=1000, ignore_eos=True)):
             outs.append(out)
             if len(outs) == 4:
                 await eng.stop_sequence("x", 1)
             if len(outs) == 8:
                 await eng.abort(["x"])
+        for _ in range(100):  # the loop reads its stats after the turn that sent the abort's outputs
+            if eng.stats().running_requests == 0:
+                break
+            await asyncio.sleep(0.01)
         return outs, eng.stats().running_requests
 
-    outs, running = asyncio.run(go())
+    outs, running = serve(eng, go)
     finals = [o for o in outs if o.finished]
     assert [(o.index, o.finish_reason) for o in finals] == [(0, "abort")]
     assert running == 0
+
+
+def test_an_abort_by_client_id_reaches_every_request_that_carries_it() -> None:
+    eng = engine(step_ms=5)
+
+    async def go() -> list[list[str | None]]:
+        reqs = [request(rid, max_tokens=10_000, ignore_eos=True) for rid in ("c#1", "c#2", "other#1")]
+        streams = [eng.generate(req) for req in reqs]
+        firsts = [await anext(stream) for stream in streams]
+        assert all(not o.finished for o in firsts)
+        await eng.abort(["c"])
+        ends = [[o.finish_reason async for o in stream] for stream in streams[:2]]
+        await eng.abort(["other#1"])
+        return [*ends, [o.finish_reason async for o in streams[2]]]
+
+    ends = serve(eng, go)
+    assert [end[-1] for end in ends] == ["abort", "abort", "abort"]
 
 
 def test_failure_and_dead_engine() -> None:
@@ -158,13 +197,9 @@ def test_out_of_vocabulary_ids_in_logits_params_are_rejected() -> None:
 
 
 def test_a_stream_interval_folds_the_outputs_in_the_engine() -> None:
-    async def go() -> list[EngineOutput]:
-        eng = engine(scripts=[TokenScript(list(range(10, 30)))])
-        await eng.start()
-        req = EngineRequest(request_id="r", prompt_token_ids=[1], sampling=SequenceSampling(max_tokens=12),
-                            stream_interval=4)
-        return [o async for o in eng.generate(req)]
-
-    outs = asyncio.run(go())
+    eng = engine(scripts=[TokenScript(list(range(10, 30)))])
+    req = EngineRequest(request_id="r", prompt_token_ids=[1], sampling=SequenceSampling(max_tokens=12),
+                        stream_interval=4)
+    outs = serve(eng, lambda: collect(eng, req))
     assert [len(o.new_token_ids) for o in outs] == [1, 4, 4, 3]
     assert ids(outs) == list(range(10, 22)) and outs[-1].finish_reason == "length"
