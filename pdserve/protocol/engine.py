@@ -164,8 +164,12 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     eos_token_ids: list[int]
     # Threads the model's ops run on (sized from the engine process's CPU affinity); None: no model.
     intra_op_threads: int | None = None
-    # Where other engines pull this engine's KV from (``--kv-transfer``); None: no KV hand-off.
+    # Where other engines pull this engine's KV from (``--kv-transfer`` on the torch engine).
     kv: KVAgentInfo | None = None
+    # A KV connector of the engine's own that reads kv_transfer_params itself (vLLM's "NixlConnector").
+    kv_connector: str | None = None
+    # The legs this engine takes with a KV hand-off (engine.spec.KV_ROLES).
+    kv_role: str = "both"
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

@@ -72,22 +72,27 @@ class KVIntent(msgspec.Struct, frozen=True):
     """What a request's kv_transfer_params ask of this engine."""
 
     export: bool = False  # prefill leg: keep the prompt's KV for a remote decode
-    pull: KVPull | None = None  # decode leg: load the prompt's KV from a remote prefill
+    # decode leg: the prompt's KV comes from a remote prefill (pdserve's engines pull it themselves,
+    # per ``pull``; vLLM's connector reads the params on its own, and ``pull`` is then None).
+    remote_prefill: bool = False
+    pull: KVPull | None = None
 
     @property
     def any(self) -> bool:
-        return self.export or self.pull is not None
+        return self.export or self.remote_prefill
 
 
 NO_KV = KVIntent()
 
 
-def parse_kv_transfer_params(params: dict[str, Any] | None) -> KVIntent:
+def parse_kv_transfer_params(params: dict[str, Any] | None, *, pulls: bool = True) -> KVIntent:
     """The typed intent of a request's ``kv_transfer_params`` (vLLM NixlConnector keys).
 
     Raises :class:`RequestError` (400, ``param="kv_transfer_params"``) for values of the wrong
     type, both legs at once, a transfer pdserve does not do (``transfer_mode: "push"``, a
-    tensor-parallel prefill) or a decode leg missing where to pull from.
+    tensor-parallel prefill) or a decode leg missing where to pull from. With ``pulls=False`` (an
+    engine whose own connector reads the params: vLLM's NixlConnector) a decode leg's pull keys are
+    left to that connector, whose ``remote_port`` is its NIXL side channel.
     """
     if not params:
         return NO_KV
@@ -104,6 +109,8 @@ def parse_kv_transfer_params(params: dict[str, Any] | None) -> KVIntent:
         return KVIntent(export=True)
     if not remote_prefill:
         return NO_KV
+    if not pulls:
+        return KVIntent(remote_prefill=True)
     tp_size = params.get("tp_size", 1)
     if tp_size != 1:
         raise RequestError(f"{PARAM}.tp_size {tp_size!r}: pdserve pulls from tensor-parallel size 1 only", param=PARAM)
@@ -121,6 +128,7 @@ def parse_kv_transfer_params(params: dict[str, Any] | None) -> KVIntent:
     if expiry is not None and (not isinstance(expiry, int | float) or isinstance(expiry, bool)):
         raise RequestError(f"{PARAM}.remote_blocks_expiry_time must be a number (unix time)", param=PARAM)
     return KVIntent(
+        remote_prefill=True,
         pull=KVPull(
             remote_engine_id=_string(params, "remote_engine_id"),
             remote_request_id=_string(params, "remote_request_id"),

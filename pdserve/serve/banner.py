@@ -26,13 +26,19 @@ def _engine_line(state: AppState) -> str:
 
 def _kv_line(state: AppState) -> str:
     spec = state.config.engine.kv_transfer if state.config.engine is not None else None
-    info = state.engine.info.kv if state.engine is not None else None
+    engine = state.engine.info if state.engine is not None else None
+    info = engine.kv if engine is not None else None
+    legs = {"both": "prefill and decode legs", "prefill": "prefill legs only", "decode": "decode legs only"}
+    if spec is not None and engine is not None and engine.kv_connector is not None:
+        side_port = spec.side_channel_port if spec.side_channel_port is not None else "vLLM's default 5600"
+        return (f"vLLM {engine.kv_connector} ({legs[spec.role]}), NIXL side channel {spec.host}:{side_port}, "
+                f"lease {round(spec.lease_s)}s, on load failure {spec.failure_policy}")
     if spec is None or info is None:
         return "none (requests carrying kv_transfer_params are refused)"
     pool_mib = info.num_blocks * info.layout.block_bytes / 2**20
     return (f"nixl, engine {info.engine_id}: {info.num_blocks} blocks of {info.layout.block_size} tokens "
             f"({pool_mib:.0f} MiB address space), lease {spec.lease_s:g}s, on load failure {spec.failure_policy}; "
-            f"peers pull via {spec.host}:{spec.port}/kv/metadata")
+            f"peers pull via {spec.host}:{spec.port}/kv/metadata; {legs[spec.role]}")
 
 
 def _parsers_line(state: AppState) -> str:

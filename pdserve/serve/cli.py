@@ -8,7 +8,7 @@ import sys
 import uuid
 from importlib import resources
 
-from pdserve.engine.spec import KV_FAILURE_POLICIES, EngineSpec, KVTransferSpec
+from pdserve.engine.spec import KV_FAILURE_POLICIES, KV_ROLES, EngineSpec, KVTransferSpec
 from pdserve.protocol.keepalive import SERVER_KEEP_ALIVE_S
 from pdserve.serve.config import (
     DEFAULT_DERENDER_CACHE_ENTRIES,
@@ -58,8 +58,19 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
     kv = p.add_argument_group("KV hand-off (P/D disaggregation; docs/pd.md)")
     kv.add_argument(
         "--kv-transfer", choices=["nixl"], default=None,
-        help="hand prompts' KV to and from other pdserve engines over NIXL (vLLM NixlConnector's "
-        "kv_transfer_params); without it, requests carrying those params are a 400",
+        help="hand prompts' KV to and from other engines over NIXL (vLLM NixlConnector's kv_transfer_params): "
+        "pdserve's own hand-off on the torch engine, vLLM's NixlConnector on --engine vllm; without it, "
+        "requests carrying those params are a 400",
+    )
+    kv.add_argument(
+        "--kv-role", choices=KV_ROLES, default="both",
+        help="the legs this server takes: prefill (do_remote_decode), decode (do_remote_prefill) or both; "
+        "a leg of the other pool is a 400 (vLLM: kv_producer, kv_consumer, kv_both)",
+    )
+    kv.add_argument(
+        "--kv-side-channel-port", type=int, default=None,
+        help="--engine vllm: the port of vLLM's NIXL side channel (VLLM_NIXL_SIDE_CHANNEL_PORT, default vLLM's "
+        "5600); one per server on a host, and what this server's prefill params name as remote_port",
     )
     kv.add_argument("--kv-lease-s", type=float, default=30.0, help="how long a finished prefill's KV waits for its pull")
     kv.add_argument(
@@ -80,11 +91,18 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
 def kv_transfer_spec(args: argparse.Namespace) -> KVTransferSpec | None:
     """The engine's KV hand-off settings, or None without --kv-transfer."""
     if args.kv_transfer is None:
+        if args.kv_role != "both" or args.kv_side_channel_port is not None:
+            raise ValueError("--kv-role and --kv-side-channel-port set up a KV hand-off: add --kv-transfer nixl")
         return None
     if args.kv_lease_s <= 0:
         raise ValueError("--kv-lease-s must be positive")
     if args.kv_pool_tokens is not None and args.kv_pool_tokens < 1:
         raise ValueError("--kv-pool-tokens must be positive")
+    port = args.kv_side_channel_port
+    if port is not None and not 0 < port < 65536:
+        raise ValueError("--kv-side-channel-port must be a TCP port (1-65535)")
+    if port is not None and args.engine != "vllm":
+        raise ValueError("--kv-side-channel-port is vLLM's NIXL side channel; it needs --engine vllm")
     host = args.kv_host or (socket.gethostname() if args.host in ("", "0.0.0.0", "::") else args.host)
     return KVTransferSpec(
         engine_id=f"pdserve-{uuid.uuid4().hex[:16]}",
@@ -94,6 +112,8 @@ def kv_transfer_spec(args: argparse.Namespace) -> KVTransferSpec | None:
         failure_policy=args.kv_load_failure_policy,
         pool_tokens=args.kv_pool_tokens,
         api_key=args.api_key,
+        role=args.kv_role,
+        side_channel_port=port,
     )
 
 
@@ -156,8 +176,10 @@ def _vllm_tokenizer(args: argparse.Namespace, tokenizer: str | None) -> str | No
     from pdserve.engine.runners.vllm_runner import require_vllm
 
     require_vllm()
-    if args.batch_invariant or args.kv_transfer:
-        raise ValueError("--batch-invariant and --kv-transfer are torch engine modes; drop them with --engine vllm")
+    if args.batch_invariant:
+        raise ValueError("--batch-invariant is a torch engine mode; drop it with --engine vllm")
+    if args.kv_transfer and args.kv_pool_tokens is not None:
+        raise ValueError("--kv-pool-tokens sizes the torch engine's pool; vLLM's NixlConnector uses vLLM's KV cache")
     if args.api_server_count != 1:
         raise ValueError("--engine vllm runs in the server process: --api-server-count must be 1")
     return tokenizer or str(resolve_model(args.model))

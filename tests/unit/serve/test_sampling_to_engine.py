@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
+from typing import cast
 
 import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.runners.scripted import ScriptedEngine
-from pdserve.engine.spec import TokenScript
+from pdserve.engine.api import Engine
+from pdserve.protocol.engine import EngineInfo
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.generate import GenerateRequest
 from pdserve.serve.admission import admit
@@ -23,11 +23,24 @@ from pdserve.text.tokenizer import Tokenizer
 TOKENIZER = Tokenizer.load("qwen3")
 
 
-def state(tokens_only: bool = False) -> AppState:
-    engine = ScriptedEngine([TokenScript([9707])], vocab_size=TOKENIZER.vocab_size, eos_token_ids=[151645])
-    asyncio.run(engine.start())
+class UpEngine:
+    """Admission reads an engine's facts and health only: a stand-in that is up (unit level)."""
+
+    def __init__(self, info: EngineInfo) -> None:
+        self.info = info
+
+    def is_healthy(self) -> bool:
+        return True
+
+
+INFO = EngineInfo(model_name="m", vocab_size=TOKENIZER.vocab_size, max_model_len=4096, max_num_seqs=16,
+                  eos_token_ids=[151645])
+
+
+def state(tokens_only: bool = False, info: EngineInfo = INFO) -> AppState:
     config = ServerConfig(engine=None, tokens_only=tokens_only)
-    return AppState(config=config, engine=engine, tokenizer=None if tokens_only else TOKENIZER, metrics=Metrics())
+    return AppState(config=config, engine=cast(Engine, UpEngine(info)),
+                    tokenizer=None if tokens_only else TOKENIZER, metrics=Metrics())
 
 
 def prepared(sampling: dict, tokens_only: bool = False):  # type: ignore[no-untyped-def]
