@@ -91,5 +91,11 @@ $(VLLM_STAMP): pyproject.toml Makefile scripts/vllm_cli.py
 test-vllm: vllm-env
 	$(VLLM_BIN)/python -m pytest tests/interop -p no:cacheprovider
 
+# The P/D topology on vLLM engines (render, vLLM-engine prefill and decode pools over vLLM's NixlConnector,
+# the proxy), from .venv-vllm: UP_ARGS="qwen3-tiny --decode 2" (docs/pd.md).
+.PHONY: up-vllm
+up-vllm: vllm-env
+	$(VLLM_BIN)/pdserve up $(UP_ARGS) --engine vllm
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

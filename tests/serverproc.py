@@ -82,6 +82,16 @@ class ServerProcess(_Launcher):
     def log(self) -> str:
         return self.log_tail(100_000)
 
+    def run_to_exit(self, timeout_s: float) -> tuple[int, str]:
+        """Start a server that is expected to stop by itself (a refusal at start): its exit code and output."""
+        self.spawn()
+        try:
+            assert self.proc is not None
+            code = self.proc.wait(timeout=timeout_s)
+            return code, self.log()
+        finally:
+            self.stop()
+
     def __enter__(self) -> ServerProcess:
         return self.start()
 

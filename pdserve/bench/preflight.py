@@ -5,8 +5,9 @@ generate server older than 0.32 takes ``output_mode`` as an unknown field and ig
 ``text`` arm against it would measure ``tokens`` under another mode's label; a ``--tokens-only``
 pdserve refuses every mode but ``tokens`` (400). One batch request of one token per server and mode
 tells them apart: every generate answer echoes ``output_mode`` (a body without it is a ``tokens``
-answer, docs/protocol.md). An arm whose mode a server does not serve is dropped from the run and
-reported, never measured under a wrong label.
+answer, docs/protocol.md), read as the proxy reads its decode members' answers (pdserve.proxy.preflight).
+An arm whose mode a server does not serve is dropped from the run and reported, never measured under a
+wrong label.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import httpx
 import msgspec
 
 from pdserve.bench.loadgen import GENERATE_PATH, JSON_HEADERS, Arm, Prompt, generate_body
+from pdserve.proxy.preflight import mode_refusal as answer_refusal
 
 
 @dataclass(frozen=True)
@@ -35,15 +37,7 @@ def mode_refusal(client: httpx.Client, base_url: str, prompt: Prompt, mode: str)
         response = client.post(url, content=msgspec.json.encode(body), headers=JSON_HEADERS)
     except httpx.HTTPError as e:
         return f"{url} failed: {e!r}"
-    if response.status_code != 200:
-        return f"{url} answered {response.status_code} to output_mode={mode!r}: {response.text[:300]}"
-    try:
-        echoed = msgspec.json.decode(response.content).get("output_mode", "tokens")
-    except (msgspec.DecodeError, AttributeError):
-        return f"{url} answered output_mode={mode!r} with a body that is not a JSON object: {response.text[:300]}"
-    if echoed != mode:
-        return f"{url} ignores output_mode={mode!r}: it answered a {echoed!r} response"
-    return None
+    return answer_refusal(url, mode, response.status_code, response.content)
 
 
 def servable_arms(arms: Sequence[Arm], prompt: Prompt, client: httpx.Client) -> tuple[list[Arm], list[SkippedArm]]:

@@ -19,13 +19,17 @@ from pdserve.checkpoints.gguf_convert import convert_gguf
 DEFAULT_MODEL = "smollm2-135m"
 
 BUILTIN_MODELS = ("smollm2-135m", "qwen3-tiny")
+# vLLM-CPU's attention needs head_dim >= 32: with qwen3-tiny's 16, vLLM's /health says ok and its first
+# request kills the engine. ``--engine vllm`` gets a qwen3-tiny built with this head_dim instead.
+VLLM_QWEN3_TINY_HEAD_DIM = 32
 
 
-def resolve_model(model: str | None = None) -> Path:
+def resolve_model(model: str | None = None, *, engine: str = "torch") -> Path:
     """Return a ready model dir for a built-in name, a local HF dir or a ``.gguf`` file.
 
     Built-in names: ``smollm2-135m`` (default) and ``qwen3-tiny``. Built dirs are
-    created once and reused (a second call costs a stat and a small JSON read).
+    created once and reused (a second call costs a stat and a small JSON read). ``engine="vllm"``:
+    the built-in qwen3-tiny with :data:`VLLM_QWEN3_TINY_HEAD_DIM` (other seeded weights, same tokenizer).
     """
     name = model or DEFAULT_MODEL
     if name == "smollm2-135m":
@@ -33,6 +37,10 @@ def resolve_model(model: str | None = None) -> Path:
         return ensure_built(name, file_identity(source), lambda out: convert_gguf(source, out))
     if name == "qwen3-tiny":
         tokenizer = file_identity(qwen3_tokenizer_dir() / "tokenizer.json")
+        if engine == "vllm":
+            head_dim = VLLM_QWEN3_TINY_HEAD_DIM
+            return ensure_built(f"{name}-hd{head_dim}", f"seeded-random-v1+hd{head_dim}+{tokenizer}",
+                                lambda out: build_qwen3_tiny(out, head_dim=head_dim))
         return ensure_built(name, f"seeded-random-v1+{tokenizer}", build_qwen3_tiny)
     path = Path(name).expanduser()
     if path.is_dir():

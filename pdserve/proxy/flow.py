@@ -15,7 +15,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import httpx
 
@@ -34,6 +34,18 @@ Kind = Literal["chat", "completions"]
 GENERATE = "/inference/v1/generate"
 RENDER_PATH = {"chat": "/v1/chat/completions/render", "completions": "/v1/completions/render"}
 DERENDER_PATH = {"chat": "/v1/chat/completions/derender", "completions": "/v1/completions/derender"}
+
+
+def decode_mode(mode: Mode, kind: Kind) -> OutputMode:
+    """The decode leg's output mode: ids for ``/derender``, else what the client's surface shows."""
+    if mode == "derender-tier":
+        return TokensSurface.output_mode
+    return (ChatSurface if kind == "chat" else CompletionsSurface).output_mode
+
+
+def decode_modes(mode: Mode) -> tuple[OutputMode, ...]:
+    """Every output mode the proxy's decode legs use in ``mode`` (what a decode member must serve)."""
+    return tuple(dict.fromkeys(decode_mode(mode, kind) for kind in get_args(Kind)))
 
 
 class ClientRequestError(UpstreamError):
@@ -126,19 +138,13 @@ class Orchestrator:
         _, prefilled = await self._timed("prefill", self.prefill, GENERATE, prefill_body(rendered), headers)
         return Prepared(kind, body, rendered, headers, prefilled.get("kv_transfer_params"))
 
-    def _decode_mode(self, kind: Kind) -> OutputMode:
-        """The decode leg's output mode: ids for ``/derender``, else what the client's surface shows."""
-        if self.mode == "derender-tier":
-            return TokensSurface.output_mode
-        return (ChatSurface if kind == "chat" else CompletionsSurface).output_mode
-
     def _model(self, member: Member, p: Prepared) -> str:
         return member.model or self.decode.model or p.body.get("model") or "pdserve"
 
     # ------------------------------------------------------------ batch
 
     async def batch(self, p: Prepared) -> dict[str, Any]:
-        body = decode_body(p.rendered, self._decode_mode(p.kind), p.kv_transfer_params)
+        body = decode_body(p.rendered, decode_mode(self.mode, p.kind), p.kv_transfer_params)
         member, response = await self._timed("decode", self.decode, GENERATE, body, p.headers)
         model = self._model(member, p)
         if self.mode == "derender-tier":
@@ -168,7 +174,7 @@ class Orchestrator:
 
     async def open_stream(self, p: Prepared) -> tuple[Member, httpx.Response]:
         """Start the decode leg's stream (its status is known before the client's response starts)."""
-        body = decode_body(p.rendered, self._decode_mode(p.kind), p.kv_transfer_params)
+        body = decode_body(p.rendered, decode_mode(self.mode, p.kind), p.kv_transfer_params)
         return await send(self.client, self.decode, "POST", GENERATE, body, p.headers, stream=True)
 
     async def events(self, p: Prepared, member: Member, response: httpx.Response) -> AsyncIterator[str]:

@@ -1,18 +1,22 @@
-"""Run the proxy: pools and client from the flags, the ready banner, uvicorn."""
+"""Run the proxy: pools and client from the flags, the decode members' preflight, the ready banner, uvicorn."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import socket
 import sys
 from collections.abc import Sequence
 
+import httpx
 import uvicorn
 
 from pdserve.proxy.app import HealthSettings, create_app, make_client
-from pdserve.proxy.flow import Orchestrator
+from pdserve.proxy.flow import Orchestrator, decode_modes
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.pool import Pool
+from pdserve.proxy.modes import Mode
+from pdserve.proxy.pool import ADMIT_TIMEOUT_S, Admission, Member, Pool, check_pools
+from pdserve.proxy.preflight import member_refusal
 
 ROUTES = "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics"
 
@@ -42,22 +46,49 @@ class _AnnouncingServer(uvicorn.Server):
             print(ready_banner(self._orch, self._url), file=sys.stderr, flush=True)
 
 
+def decode_admission(mode: Mode) -> Admission:
+    """The decode pool's question to a joining member: does it serve every output mode ``mode``'s decode
+    legs use? A refusal names the fix."""
+    modes = decode_modes(mode)
+    fix = (f"--mode {mode} sends decode legs in output_mode {' and '.join(modes)}; run the proxy with "
+           "--mode derender-tier (decode legs in tokens, each chunk derendered by the render server), or put "
+           "servers that serve those modes in the decode pool (pdserve serve, with --engine vllm for vLLM)")
+
+    async def admit(client: httpx.AsyncClient, member: Member) -> str | None:
+        refusal = await member_refusal(client, member.url, modes, ADMIT_TIMEOUT_S)
+        return None if refusal is None else f"{refusal}. {fix}"
+
+    return admit
+
+
 def build_orchestrator(args: argparse.Namespace) -> Orchestrator:
     metrics = ProxyMetrics()
 
-    def pool(name: str, urls: Sequence[str]) -> Pool:
-        made = Pool(name, urls, on_change=metrics.member_changed)
+    def pool(name: str, urls: Sequence[str], admit: Admission | None = None) -> Pool:
+        made = Pool(name, urls, on_change=metrics.member_changed, admit=admit)
         for member in made.members:
             metrics.member_changed(made, member)
         return made
 
     client = make_client(args.connect_timeout_s, args.upstream_timeout_s)
     return Orchestrator(client, pool("render", args.render), pool("prefill", args.prefill),
-                        pool("decode", args.decode), args.mode, metrics)
+                        pool("decode", args.decode, decode_admission(args.mode)), args.mode, metrics)
+
+
+async def _refusals_at_start(orch: Orchestrator, timeout_s: float) -> list[str]:
+    """Check every member once (its own client: uvicorn's loop is not started yet); the refused ones."""
+    async with httpx.AsyncClient() as client:
+        await check_pools(orch.pools, client, timeout_s)
+    return [line for pool in orch.pools for line in pool.refusals]
 
 
 def serve_proxy(args: argparse.Namespace) -> int:
     orch = build_orchestrator(args)
+    refusals = asyncio.run(_refusals_at_start(orch, args.connect_timeout_s))
+    if refusals:
+        print("pdserve proxy: not starting, a member cannot serve this proxy's requests:", file=sys.stderr)
+        print("\n".join(f"  {line}" for line in refusals), file=sys.stderr, flush=True)
+        return 2
     app = create_app(orch, HealthSettings(args.health_interval_s, args.connect_timeout_s), args.api_key)
     host = f"[{args.host}]" if ":" in args.host else args.host
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop="uvloop",

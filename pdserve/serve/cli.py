@@ -182,7 +182,7 @@ def _vllm_tokenizer(args: argparse.Namespace, tokenizer: str | None) -> str | No
         raise ValueError("--kv-pool-tokens sizes the torch engine's pool; vLLM's NixlConnector uses vLLM's KV cache")
     if args.api_server_count != 1:
         raise ValueError("--engine vllm runs in the server process: --api-server-count must be 1")
-    return tokenizer or str(resolve_model(args.model))
+    return tokenizer or str(resolve_model(args.model, engine="vllm"))
 
 
 def serve_config(args: argparse.Namespace) -> ServerConfig:

@@ -16,6 +16,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill servers (default 1)")
     p.add_argument("--decode", type=int, default=1, help="decode servers (default 1)")
     p.add_argument("--mode", choices=MODES, default="inline", help="the proxy's mode")
+    p.add_argument("--engine", choices=("torch", "vllm"), default="torch",
+                   help="the prefill and decode servers' engine; vllm: vLLM's AsyncLLM with vLLM's NixlConnector "
+                   "(run pdserve up from .venv-vllm: make vllm-env, make up-vllm)")
     p.add_argument("--port", type=int, default=DEFAULT_BASE_PORT,
                    help="the proxy's port; the servers take the ports after it (0: any free ports)")
     p.add_argument("--reasoning-parser", default=None, help="deepseek_r1 | qwen3 (render and decode servers)")
@@ -40,11 +43,16 @@ def run_up(args: argparse.Namespace, serve_flags: list[str]) -> int:
     from pdserve.checkpoints.resolve import DEFAULT_MODEL, resolve_model
     from pdserve.topology.plan import TopologyRequest, plan
     from pdserve.topology.process import free_port
-    from pdserve.topology.supervise import run
+    from pdserve.topology.supervise import STARTUP_TIMEOUT_S, VLLM_STARTUP_TIMEOUT_S, run
 
     model = args.model or DEFAULT_MODEL
     try:
-        tokenizer_dir = resolve_model(model)  # built once here, so the servers start from the cache
+        if args.engine == "vllm":
+            from pdserve.engine.runners.vllm_runner import require_vllm
+
+            require_vllm()  # every member runs this Python: stop before starting any of them
+        # Built once here, so the servers start from the cache.
+        tokenizer_dir = resolve_model(model, engine=args.engine)
     except (ValueError, FileNotFoundError) as e:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 2
@@ -57,7 +65,7 @@ def run_up(args: argparse.Namespace, serve_flags: list[str]) -> int:
 
     request = TopologyRequest(
         model=model, tokenizer_dir=str(tokenizer_dir), prefill=args.prefill, decode=args.decode, mode=args.mode,
-        parser_flags=parser_flags(args), serve_flags=tuple(serve_flags),
+        parser_flags=parser_flags(args), serve_flags=tuple(serve_flags), engine=args.engine,
         proxy_flags=("--log-level", args.log_level, *(("--api-key", args.api_key) if args.api_key else ())),
     )
     try:
@@ -65,4 +73,5 @@ def run_up(args: argparse.Namespace, serve_flags: list[str]) -> int:
     except ValueError as e:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 2
-    return run(specs, args.mode, model)
+    on_vllm = args.engine == "vllm"
+    return run(specs, args.mode, model, VLLM_STARTUP_TIMEOUT_S if on_vllm else STARTUP_TIMEOUT_S, warm_up=on_vllm)

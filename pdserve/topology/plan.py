@@ -9,7 +9,11 @@ The flags each pool gets:
 * decode: ``serve MODEL`` + the parser flags + the extra serve flags (it returns parsed output);
 * proxy: ``proxy --render URL --prefill URLS --decode URLS --mode MODE``.
 
-Every prefill and decode server also gets :data:`KV_TRANSFER_FLAGS`, the KV hand-off switch.
+Every prefill and decode server also gets :data:`KV_TRANSFER_FLAGS`, the KV hand-off switch, and its
+pool as ``--kv-role`` (a leg sent to the wrong pool is a 400 naming the role). With ``engine="vllm"``
+they run ``--engine vllm``: vLLM's NixlConnector, whose NIXL side channel listens on a port of its own
+per server (``--kv-side-channel-port``, taken after the HTTP ports; vLLM's default 5600 would collide
+between two servers on one host).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class TopologyRequest:
     parser_flags: tuple[str, ...] = ()
     serve_flags: tuple[str, ...] = ()  # extra `pdserve serve` flags for the prefill and decode servers
     proxy_flags: tuple[str, ...] = ()  # e.g. --api-key KEY
+    engine: str = "torch"  # torch | vllm (the prefill and decode servers' engine)
 
 
 def _shared_with_render(serve_flags: Sequence[str]) -> list[str]:
@@ -59,15 +64,26 @@ def plan(req: TopologyRequest, port_for: Callable[[int], int]) -> list[MemberSpe
         "launch", "render", "--tokenizer", req.tokenizer_dir, *req.parser_flags, *_shared_with_render(req.serve_flags),
         *loopback, "--port", str(port_for(1)),
     ), port_for(1))]
+    engine_servers = req.prefill + req.decode
+    first_side_channel = len(specs) + engine_servers + 1  # the port index after every HTTP port
+    side_channels = iter([port_for(first_side_channel + i) for i in range(engine_servers)])
+
+    def kv_flags(role: str) -> tuple[str, ...]:
+        flags = (*KV_TRANSFER_FLAGS, "--kv-role", role)
+        if req.engine == "vllm":
+            flags += ("--engine", "vllm", "--kv-host", "127.0.0.1", "--kv-side-channel-port", str(next(side_channels)))
+        return flags
+
     for i in range(req.prefill):
         port = port_for(len(specs) + 1)
         specs.append(MemberSpec(f"prefill-{i}", "prefill", (
-            "serve", req.model, "--tokens-only", *KV_TRANSFER_FLAGS, *req.serve_flags, *loopback, "--port", str(port),
+            "serve", req.model, "--tokens-only", *kv_flags("prefill"), *req.serve_flags, *loopback, "--port", str(port),
         ), port))
     for i in range(req.decode):
         port = port_for(len(specs) + 1)
         specs.append(MemberSpec(f"decode-{i}", "decode", (
-            "serve", req.model, *KV_TRANSFER_FLAGS, *req.parser_flags, *req.serve_flags, *loopback, "--port", str(port),
+            "serve", req.model, *kv_flags("decode"), *req.parser_flags, *req.serve_flags, *loopback,
+            "--port", str(port),
         ), port))
 
     def urls(role: str) -> str:

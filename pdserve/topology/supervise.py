@@ -12,10 +12,15 @@ import time
 from pathlib import Path
 from types import FrameType
 
+import httpx
+
 from pdserve.topology.members import MemberSpec, member_process
 from pdserve.topology.process import ServerProcess, stop_all
+from pdserve.topology.warmup import WarmUpFailed, warm_pairs
 
 STARTUP_TIMEOUT_S = 300.0
+# vLLM's engine core compiles its CPU kernels at start: ~200 s per server on a busy 2-core host.
+VLLM_STARTUP_TIMEOUT_S = 900.0
 PROGRESS_EVERY_S = 10.0
 WATCH_POLL_S = 0.2
 
@@ -76,8 +81,23 @@ def _report_exits(members: list[ServerProcess], reported: set[str], proxy: str) 
     return None
 
 
-def run(specs: list[MemberSpec], mode: str, model: str) -> int:
-    """Start, supervise and stop the topology; the exit code of ``pdserve up``."""
+def warm_hand_offs(specs: list[MemberSpec], timeout_s: float) -> None:
+    """One throwaway hand-off per prefill and decode pair (pdserve.topology.warmup says why), with a line each."""
+    urls = {role: [s.url for s in specs if s.role == role] for role in ("prefill", "decode")}
+    say(f"warming {len(urls['prefill']) * len(urls['decode'])} prefill -> decode hand-off(s): vLLM's first "
+        "NIXL pull between two engines can take the prefill's whole lease")
+    try:
+        seconds = warm_pairs(urls["prefill"], urls["decode"], timeout_s)
+    except (WarmUpFailed, httpx.HTTPError) as e:
+        raise StartupFailed(f"a warm-up hand-off failed: {e}") from None
+    for (prefill, decode), took in seconds.items():
+        say(f"hand-off {prefill} -> {decode}: {took:.1f}s")
+
+
+def run(specs: list[MemberSpec], mode: str, model: str, startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        warm_up: bool = False) -> int:
+    """Start, supervise and stop the topology; the exit code of ``pdserve up``. ``warm_up``: one hand-off
+    per prefill and decode pair before the proxy starts (vLLM engines)."""
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
     servers = [member_process(s, log_dir) for s in specs if s.role != "proxy"]
     proxy = [member_process(s, log_dir) for s in specs if s.role == "proxy"]
@@ -95,9 +115,11 @@ def run(specs: list[MemberSpec], mode: str, model: str) -> int:
         say(f"starting {', '.join(m.name for m in servers)} (logs in {log_dir})")
         for member in servers:
             member.spawn()
-        wait_healthy(servers, STARTUP_TIMEOUT_S)
+        wait_healthy(servers, startup_timeout_s)
+        if warm_up:
+            warm_hand_offs(specs, startup_timeout_s)
         proxy[0].spawn()
-        wait_healthy(proxy, STARTUP_TIMEOUT_S)
+        wait_healthy(proxy, startup_timeout_s)
         print(summary(members, mode, model, log_dir), flush=True)
         reported: set[str] = set()
         while _report_exits(members, reported, proxy[0].name) is None:

@@ -221,6 +221,20 @@ def test_models_health_and_metrics(servers: dict[str, Any]) -> None:
     assert servers["derender-tier"].metric('pdserve_proxy_leg_seconds_count{leg="derender"}') >= 1
 
 
+def test_inline_over_a_decode_member_that_cannot_derender_stops_naming_it_and_the_fix(
+        servers: dict[str, Any]) -> None:
+    lean = servers["prefill"]  # --tokens-only: it serves output_mode tokens and refuses text and derender
+    code, log = _proxy(servers["render"], servers["prefill"], [lean], "inline").run_to_exit(60)
+    assert code == 2, log
+    assert f"decode server {lean.url}: {lean.url}/inference/v1/generate answered 400 to output_mode='derender'" in log
+    assert "run the proxy with --mode derender-tier" in log and "ready" not in log
+    # The tier's decode legs are tokens, which the same member serves: that proxy starts and answers (its
+    # prefill leg on another server: a pdserve engine does not pull KV from itself).
+    with _proxy(servers["render"], servers["decodes"][0], [lean], "derender-tier") as tier:
+        r = httpx.post(tier.url + "/v1/chat/completions", json=CHAT, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"], r.text
+
+
 def _long_stream() -> dict[str, Any]:
     return CHAT | {"stream": True, "max_tokens": 4000, "ignore_eos": True}
 

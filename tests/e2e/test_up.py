@@ -6,9 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +14,10 @@ import httpx
 import openai
 import pytest
 
+from pdserve.proxy.flow import decode_modes
+from pdserve.proxy.preflight import PROBE_TOKEN_IDS
 from tests.serverproc import PORT_ATTEMPTS, ServerProcess
+from tests.upproc import Up
 from tests.waiting import wait_until
 
 MODEL = "qwen3-tiny"
@@ -31,49 +31,6 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 # in its prefill, and in bfloat16 those kernels may round a near-tied greedy token apart on some CPUs
 # (tests/e2e/test_kv_handoff.py's docstring); in float32 they agree.
 EXACT = ("--dtype=float32",)
-MEMBER_LINE = re.compile(r"^  (render|prefill-\d+|decode-\d+|proxy)\s+(http://\S+)\s+pid (\d+)$", re.MULTILINE)
-
-
-class Up:
-    """A running ``pdserve up``: its output so far, its members (name -> (url, pid)) once ready."""
-
-    def __init__(self, *args: str):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "up", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def wait_ready(self) -> str:
-        found = wait_until(lambda: re.search(r"OpenAI base URL: (\S+)", self.output) or self.proc.poll() is not None,
-                           lambda: f"pdserve up is ready; its output:\n{self.output}", bound_s=240)
-        assert found is not True and self.proc.poll() is None, self.output
-        return found.group(1)  # type: ignore[union-attr]
-
-    @property
-    def members(self) -> dict[str, tuple[str, int]]:
-        return {name: (url, int(pid)) for name, url, pid in MEMBER_LINE.findall(self.output)}
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: the test's children only
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-
 def alive(pid: int) -> bool:
     """Running (a zombie nobody reaped yet counts as gone)."""
     try:
@@ -171,7 +128,8 @@ def metric(url: str, name: str) -> float:
 
 def test_metrics_show_the_prefill_ran_the_prompts_and_the_decode_pulled_them(up: tuple[Up, str, ServerProcess]) -> None:
     """After the SDK tests above: every prompt was computed on the prefill server and its KV pulled by the decode
-    server over NIXL, which computed no prompt itself (no recompute)."""
+    server over NIXL, which computed no client prompt itself (no recompute): only the proxy's preflight
+    probes, one one-token prompt per output mode it asked the member for."""
     members = up[0].members
     prefill, decode = members["prefill-0"][0], members["decode-0"][0]
     client = _clients(up)[0]
@@ -180,7 +138,8 @@ def test_metrics_show_the_prefill_ran_the_prompts_and_the_decode_pulled_them(up:
                == metric(decode, "pdserve_kv_pulls_ok_total") > 0, "every exported prompt pulled by the decode server")
     assert metric(prefill, "pdserve_engine_prompt_tokens_computed_total") > 0
     assert metric(decode, "pdserve_kv_pulled_bytes_total") > 0
-    assert metric(decode, "pdserve_engine_prompt_tokens_computed_total") == 0
+    probes = len(PROBE_TOKEN_IDS) * len(decode_modes("inline"))
+    assert metric(decode, "pdserve_engine_prompt_tokens_computed_total") == probes
     assert metric(decode, "pdserve_kv_recomputes_total") == 0 and metric(decode, "pdserve_kv_pulls_failed_total") == 0
 
 

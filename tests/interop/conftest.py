@@ -13,6 +13,15 @@ from pathlib import Path
 
 import pytest
 
+# The P/D fleets (five vLLM engines, ~3 GB each) run before the session's vLLM peer starts, so no more
+# than five engines ever share the host's memory.
+FIRST = "test_pd_vllm.py"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name != FIRST)  # stable: file order otherwise kept
+
+
 if importlib.util.find_spec("vllm") is None:
     collect_ignore_glob = ["test_*.py"]
 else:

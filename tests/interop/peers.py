@@ -35,8 +35,9 @@ def build_shared_model_dir(out: Path) -> Path:
 class VllmPeer(ServerProcess):
     """``vllm serve DIR --enable-scale-out`` on a free loopback port (healthy after ~60 s on 2 cores)."""
 
-    def __init__(self, model_dir: Path, *args: str) -> None:
+    def __init__(self, model_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
         super().__init__("vllm", startup_timeout=600.0)
+        self._env = env or {}
         self._cmd = [
             sys.executable,
             str(VLLM_CLI),
@@ -57,9 +58,11 @@ class VllmPeer(ServerProcess):
         ]
 
     def spawn(self) -> None:
-        env = {**os.environ, **VLLM_ENV, "PYTHONUNBUFFERED": "1"}
-        with self._log.open("wb") as log:
-            self.proc = subprocess.Popen(self._cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        env = {**os.environ, **VLLM_ENV, **self._env, "PYTHONUNBUFFERED": "1"}
+        with self.log_path.open("wb") as log:
+            # Its own process group, as the launcher's children: stop() takes vLLM's engine core with it.
+            self.proc = subprocess.Popen(self._cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
 
 
 def pdserve(model_dir: Path, *args: str) -> ServerProcess:

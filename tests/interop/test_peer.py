@@ -249,8 +249,12 @@ def test_compatibility_table_is_what_the_kit_finds(vllm: VllmPeer, pd: ServerPro
     table = {rule: (ours, theirs) for rule, ours, theirs in TABLE_ROW.findall(COMPATIBILITY.read_text())}
     assert set(table) == {r.id for r in RULES}, "docs/compatibility.md lists other rules than the kit runs"
     found_pd, found_vllm = kit(pd), kit(vllm)
-    assert {rule: s[0] for rule, s in table.items()} == found_pd
-    assert {rule: s[1] for rule, s in table.items()} == found_vllm
+    for column, found in ((0, found_pd), (1, found_vllm)):
+        expected = {rule: s[column] for rule, s in table.items()}
+        # A `flaky` cell: the server's answer varies from run to run (the table's note says how often).
+        flaky = {rule for rule, status in expected.items() if status == "flaky"}
+        assert all(found[rule] in ("pass", "FAIL") for rule in flaky), {r: found[r] for r in flaky}
+        assert {r: s for r, s in expected.items() if r not in flaky} == {r: s for r, s in found.items() if r not in flaky}
 
 
 # -- bench ----------------------------------------------------------------------------------------------

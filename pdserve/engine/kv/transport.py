@@ -33,18 +33,25 @@ class TransferError(RuntimeError):
     """A transfer could not be set up or failed (the remote is gone, the descriptors are bad)."""
 
 
-def _paced_agent(api: Any, name: str) -> Any:
-    """A NIXL agent (UCX backend, progress thread) whose progress thread sleeps between turns.
+def paced_config_type(api: Any) -> type:
+    """NIXL's binding config class, with :data:`PROGRESS_THREAD_DELAY_US` as the least progress-thread pause.
 
-    The wrapper builds its binding config itself and sets ``pthrDelay = 0``; a config subclass that
-    raises the delay is swapped in for the duration of the constructor only.
+    The wrapper (``nixl_agent``) builds its binding config itself and sets ``pthrDelay = 0``; an agent built
+    while this class stands in for ``api.nixlBind.nixlAgentConfig`` gets the pause instead.
     """
 
     class PacedConfig(api.nixlBind.nixlAgentConfig):  # type: ignore[misc, name-defined]
+        paced_by_pdserve = True
+
         def __setattr__(self, key: str, value: Any) -> None:
             super().__setattr__(key, max(value, PROGRESS_THREAD_DELAY_US) if key == "pthrDelay" else value)
 
-    with mock.patch.object(api.nixlBind, "nixlAgentConfig", PacedConfig):
+    return PacedConfig
+
+
+def _paced_agent(api: Any, name: str) -> Any:
+    """A NIXL agent (UCX backend, progress thread) whose progress thread sleeps between turns."""
+    with mock.patch.object(api.nixlBind, "nixlAgentConfig", paced_config_type(api)):
         return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
 
 

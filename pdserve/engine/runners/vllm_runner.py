@@ -29,8 +29,9 @@ from typing import Any
 
 from pdserve.checkpoints.model_dir import model_eos_ids
 from pdserve.checkpoints.resolve import resolve_model
-from pdserve.engine.api import EngineDeadError, EngineError
+from pdserve.engine.api import EngineDeadError, EngineError, KVLoadError
 from pdserve.engine.request_ids import matching
+from pdserve.engine.runners.vllm_plugin import PACE_ENV
 from pdserve.engine.spec import EngineSpec, KVTransferSpec
 from pdserve.protocol.engine import (
     ABORT_BY_CLIENT,
@@ -220,7 +221,7 @@ class VllmEngine:
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> VllmEngine:
         require_vllm()
-        return cls(resolve_model(spec.model), spec)
+        return cls(resolve_model(spec.model, engine="vllm"), spec)
 
     async def start(self) -> None:
         """Start vLLM's engine core (tens of seconds on a CPU) and take its limits."""
@@ -229,6 +230,7 @@ class VllmEngine:
         kv = self.spec.kv_transfer
         if kv is not None:
             os.environ.update(side_channel_env(kv))  # read by vLLM's connector in its engine core
+            os.environ[PACE_ENV] = "1"  # vllm_plugin: vLLM's NIXL progress thread pauses between turns
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -305,7 +307,7 @@ class VllmEngine:
                     if seq.index in stopped:
                         continue
                     if seq.finish_reason == "error":
-                        raise EngineError(f"vLLM failed request {request.request_id}")
+                        raise failed_request_error(request)
                     output = EngineOutput(
                         request_id=request.request_id,
                         index=seq.index,
@@ -334,6 +336,22 @@ class VllmEngine:
             self._running.pop(request.request_id, None)
             if finished | stopped != set(range(request.sampling.n)) and self._llm is not None:
                 await self._llm.abort(request.request_id)
+
+
+def failed_request_error(request: EngineRequest) -> EngineError:
+    """What a request vLLM ended with ``finish_reason="error"`` failed on. On a decode leg that is its KV
+    load (vLLM's connector could not read the prefill's blocks and ``kv_load_failure_policy`` is
+    ``fail``): a :class:`KVLoadError` naming the prefill engine the params point at."""
+    params = request.kv_transfer_params or {}
+    if params.get("do_remote_prefill"):
+        peer = f"{params.get('remote_host')}:{params.get('remote_port')}"
+        return KVLoadError(
+            f"KV load failed: vLLM's {KV_CONNECTOR} could not read the prompt's KV from engine "
+            f"{params.get('remote_engine_id')} (NIXL side channel {peer}; it may be gone, or its lease expired) "
+            f"and kv_load_failure_policy is fail (--kv-load-failure-policy recompute prefills it here instead); "
+            f"the server log has vLLM's reason"
+        )
+    return EngineError(f"vLLM failed request {request.request_id}")
 
 
 @contextlib.contextmanager

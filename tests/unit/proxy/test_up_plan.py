@@ -39,3 +39,23 @@ def test_each_pool_gets_its_flags_and_the_proxy_every_url() -> None:
 def test_a_pool_needs_a_server() -> None:
     with pytest.raises(ValueError, match="at least one server"):
         plan(TopologyRequest(model="m", tokenizer_dir="d", decode=0), lambda k: k)
+
+
+def test_each_engine_server_takes_its_pools_legs_only() -> None:
+    specs = plan(TopologyRequest(model="m", tokenizer_dir="d", prefill=2, decode=2), lambda k: 9000 + k)
+    roles = {s.name: _args(s.args, "--kv-role") for s in specs if s.role in ("prefill", "decode")}
+    assert roles == {"prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode", "decode-1": "decode"}
+    assert not any("--engine" in s.args or "--kv-side-channel-port" in s.args for s in specs)
+
+
+def test_vllm_engines_get_a_nixl_side_channel_each_past_the_http_ports() -> None:
+    specs = plan(TopologyRequest(model="qwen3-tiny", tokenizer_dir="d", prefill=1, decode=2, engine="vllm",
+                                 parser_flags=PARSERS), lambda k: 9000 + k)
+    engines = [s for s in specs if s.role in ("prefill", "decode")]
+    for server in engines:
+        assert _args(server.args, "--engine") == "vllm" and _args(server.args, "--kv-transfer") == "nixl"
+        assert _args(server.args, "--kv-host") == "127.0.0.1"
+    side = [int(_args(s.args, "--kv-side-channel-port")) for s in engines]
+    http = {s.port for s in specs}
+    assert side == [9005, 9006, 9007] and http == {9000, 9001, 9002, 9003, 9004}
+    assert "--engine" not in specs[0].args and "--tokens-only" in engines[0].args  # render; a lean prefill
