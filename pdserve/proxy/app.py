@@ -126,16 +126,16 @@ def create_app(orch: Orchestrator, health: HealthSettings = HealthSettings(), ap
             prepared = await unless_disconnected(request.receive, orch.prepare(kind, body, request_id))
             if not body.get("stream"):
                 return JSONResponse(await unless_disconnected(request.receive, orch.batch(prepared)), headers=headers)
-            member, upstream = await unless_disconnected(request.receive, orch.open_stream(prepared))
+            upstream = await unless_disconnected(request.receive, orch.open_stream(prepared))
         except UpstreamError as e:
-            return JSONResponse(e.body, status_code=e.status, headers=headers)
+            return JSONResponse(e.body, status_code=e.status, headers=headers | e.headers)
         except ClientGone:
             return Response(status_code=499)
         status = 499  # until the stream reaches [DONE] or an error event
 
         async def events() -> AsyncIterator[str]:
             nonlocal status
-            async with contextlib.aclosing(orch.events(prepared, member, upstream)) as relayed:
+            async with contextlib.aclosing(orch.events(prepared, upstream)) as relayed:
                 async for event in relayed:
                     if event.startswith('data: {"error"'):
                         status = int(json.loads(event[len("data: "):])["error"].get("code") or 500)
@@ -162,7 +162,7 @@ def create_app(orch: Orchestrator, health: HealthSettings = HealthSettings(), ap
         try:
             _, response = await send(orch.client, orch.decode, "GET", "/v1/models", None, {})
         except UpstreamError as e:
-            return JSONResponse(e.body, status_code=e.status)
+            return JSONResponse(e.body, status_code=e.status, headers=e.headers)
         return Response(response.content, media_type="application/json")
 
     @app.get("/health")

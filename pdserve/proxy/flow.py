@@ -27,7 +27,7 @@ from pdserve.proxy.legs import decode_body, prefill_body
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.modes import Mode
 from pdserve.proxy.pool import Member, Pool
-from pdserve.proxy.upstream import UpstreamError, error_body, post_json, send
+from pdserve.proxy.upstream import OpenStream, UpstreamError, error_body, open_stream, post_json
 
 Kind = Literal["chat", "completions"]
 
@@ -172,24 +172,24 @@ class Orchestrator:
 
     # ------------------------------------------------------------ stream
 
-    async def open_stream(self, p: Prepared) -> tuple[Member, httpx.Response]:
+    async def open_stream(self, p: Prepared) -> OpenStream:
         """Start the decode leg's stream (its status is known before the client's response starts)."""
         body = decode_body(p.rendered, decode_mode(self.mode, p.kind), p.kv_transfer_params)
-        return await send(self.client, self.decode, "POST", GENERATE, body, p.headers, stream=True)
+        return await open_stream(self.client, self.decode, "POST", GENERATE, body, p.headers)
 
-    async def events(self, p: Prepared, member: Member, response: httpx.Response) -> AsyncIterator[str]:
+    async def events(self, p: Prepared, stream: OpenStream) -> AsyncIterator[str]:
         """The client's SSE events from an open decode stream; always ends with ``[DONE]``.
 
         Closing this iterator (the client left) closes the decode stream, which aborts the request
         on the decode server."""
-        model = self._model(member, p)
+        model = self._model(stream.member, p)
         start = time.perf_counter()
         surface = self._surface(p, model)
         convert = self._converter(p, surface)
         try:
             for chunk in surface.opening():
                 yield sse_event(chunk)
-            async for chunk in _generate_chunks(self.decode, member, response):
+            async for chunk in _generate_chunks(stream):
                 if "error" in chunk:
                     yield sse_event(chunk)
                     break
@@ -203,7 +203,7 @@ class Orchestrator:
         except UpstreamError as e:
             yield sse_event(e.body)
         finally:
-            await response.aclose()
+            await stream.aclose()
             self.metrics.leg_seconds.labels("decode").observe(time.perf_counter() - start)
         yield DONE
 
@@ -229,11 +229,12 @@ class Orchestrator:
         return inline if self.mode == "inline" else derendered
 
 
-async def _generate_chunks(pool: Pool, member: Member, response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+async def _generate_chunks(stream: OpenStream) -> AsyncIterator[dict[str, Any]]:
     """The JSON events of a generate stream up to ``[DONE]``; a stream that breaks off is an
     :class:`UpstreamError` (and takes the member out of rotation until its health check passes)."""
+    pool, member = stream.pool, stream.member
     try:
-        async for line in response.aiter_lines():
+        async for line in stream.response.aiter_lines():
             if not line.startswith("data: "):
                 continue
             payload = line[len("data: "):]
@@ -242,6 +243,7 @@ async def _generate_chunks(pool: Pool, member: Member, response: httpx.Response)
             yield json.loads(payload)
     except httpx.HTTPError as e:
         pool.mark_down(member, f"dropped a stream ({type(e).__name__})")
+        pool.failed(member, "dropped")
         raise UpstreamError.failed(pool, member, e) from None
     message = f"{pool.name} server {member.url} ended the stream without [DONE]"
     raise UpstreamError(502, error_body(message, 502, "BadGatewayError"))

@@ -1,5 +1,6 @@
 """Prometheus metrics of the proxy (own registry): requests by endpoint/mode/status, leg latencies,
-requests in flight and each pool member's health, so an operator sees which leg is slow or down."""
+requests in flight, and each pool member's health, requests in flight and failures by cause, so an
+operator sees which leg is slow or down and which member the routing steers away from."""
 
 from __future__ import annotations
 
@@ -28,5 +29,20 @@ class ProxyMetrics:
             registry=self.registry,
         )
 
+        self.member_in_flight = Gauge(
+            "pdserve_proxy_member_in_flight", "Requests sent to a pool member and not yet answered (a stream: "
+            "until it closes); the routing picks the less busy of two members", ["pool", "url"],
+            registry=self.registry,
+        )
+        self.member_errors = Counter(
+            "pdserve_proxy_member_errors", "Failed requests to a pool member by cause: unreachable, dropped "
+            "(failed mid-request), status_<code> (a 5xx answer; 503 sends the request to another member)",
+            ["pool", "url", "cause"], registry=self.registry,
+        )
+
     def member_changed(self, pool: Pool, member: Member) -> None:
         self.member_healthy.labels(pool.name, member.url).set(1 if member.healthy else 0)
+        self.member_in_flight.labels(pool.name, member.url).set(member.in_flight)
+
+    def member_failed(self, pool: Pool, member: Member, cause: str) -> None:
+        self.member_errors.labels(pool.name, member.url, cause).inc()

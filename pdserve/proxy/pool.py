@@ -1,5 +1,10 @@
-"""Pools of upstream servers: round-robin over healthy members, and the health check that moves
-members out of rotation and back.
+"""Pools of upstream servers: least-outstanding requests over two random choices among the healthy
+members, and the health check that moves members out of rotation and back.
+
+Why two random choices: round-robin sends a slow member (a loaded host, a slow link) its full share, so its
+queue grows while the others idle; picking the member with fewer requests in flight of two drawn at random
+steers away from it without every request herding to the one least-loaded member (the "power of two
+choices"). A member that answered 503 with ``Retry-After`` (draining, overloaded) is left out until then.
 
 A member is out of rotation from the moment a leg cannot reach it (no request waits for the next
 check to learn that) and back once ``GET /health`` answers 200 again. A pool may also ask a member
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -35,7 +41,12 @@ Admission = Callable[[httpx.AsyncClient, "Member"], Awaitable[str | None]]
 
 
 class PoolUnavailable(Exception):
-    """No member of a pool can take a request (the client gets a 503 naming the pool)."""
+    """No member of a pool can take a request (the client gets a 503 naming the pool; ``retry_after_s``:
+    when the first member that asked to be left alone takes requests again, if that is why)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -46,31 +57,61 @@ class Member:
     model: str | None = None  # the model its /v1/models names, once known
     refusal: str | None = None  # why the pool's admission refused it (it answers /health, yet stays out)
     refused_at: float = 0.0
+    in_flight: int = 0  # requests sent to it and not yet answered (a stream: until it is closed)
+    retry_at: float = 0.0  # monotonic time before which it asked not to be sent requests (Retry-After)
 
 
 class Pool:
-    """One role's servers (render, prefill or decode), picked round-robin among the healthy ones."""
+    """One role's servers (render, prefill or decode): the less busy of two healthy members drawn at random.
+
+    ``on_change`` is told of every change of a member's health or requests in flight, ``on_error`` of every
+    failed request with its cause (``unreachable``, ``dropped``, ``status_503``, ...): the proxy's metrics.
+    """
 
     def __init__(self, name: str, urls: Sequence[str], on_change: Callable[[Pool, Member], None] | None = None,
-                 admit: Admission | None = None):
+                 admit: Admission | None = None, on_error: Callable[[Pool, Member, str], None] | None = None,
+                 rng: random.Random | None = None):
         if not urls:
             raise ValueError(f"the {name} pool needs at least one URL")
         self.name = name
         self.members = [Member(url.rstrip("/")) for url in urls]
-        self._next = 0
         self._on_change = on_change
+        self._on_error = on_error
+        self._rng = rng or random.Random()
         self.admit = admit
 
     def pick(self, exclude: Collection[str] = ()) -> Member:
-        """The next healthy member after the last one picked (skipping ``exclude``d URLs)."""
-        count = len(self.members)
-        for step in range(count):
-            k = (self._next + step) % count
-            member = self.members[k]
-            if member.healthy and member.url not in exclude:
-                self._next = k + 1
-                return member
-        raise PoolUnavailable(self.unavailable_message())
+        """Of two healthy members drawn at random (skipping ``exclude``d URLs and members inside their
+        ``Retry-After``), the one with fewer requests in flight; the first drawn on a tie."""
+        healthy = [m for m in self.members if m.healthy and m.url not in exclude]
+        now = time.monotonic()
+        ready = [m for m in healthy if m.retry_at <= now]
+        if not ready:
+            if healthy:
+                wait = min(m.retry_at for m in healthy) - now
+                raise PoolUnavailable(f"every server in the {self.name} pool asked to be retried later "
+                                      f"(Retry-After; the first in {wait:.1f}s)", retry_after_s=wait)
+            raise PoolUnavailable(self.unavailable_message())
+        drawn = self._rng.sample(ready, 2) if len(ready) > 1 else ready
+        return min(drawn, key=lambda m: m.in_flight)
+
+    def sent(self, member: Member) -> None:
+        """A request went to ``member`` (:meth:`answered` when it is over)."""
+        member.in_flight += 1
+        self._changed(member)
+
+    def answered(self, member: Member) -> None:
+        member.in_flight -= 1
+        self._changed(member)
+
+    def failed(self, member: Member, cause: str) -> None:
+        """A request to ``member`` failed (counted by cause)."""
+        if self._on_error is not None:
+            self._on_error(self, member, cause)
+
+    def back_off(self, member: Member, seconds: float) -> None:
+        """``member`` asked not to be sent requests for ``seconds`` (503 with Retry-After)."""
+        member.retry_at = time.monotonic() + seconds
 
     def unavailable_message(self) -> str:
         states = "; ".join(f"{m.url}: {m.reason}" for m in self.members)
@@ -112,6 +153,9 @@ class Pool:
                 logger.warning("pdserve proxy: %s server %s is in rotation", self.name, member.url)
             else:
                 logger.warning("pdserve proxy: %s server %s is out of rotation: %s", self.name, member.url, reason)
+        self._changed(member)
+
+    def _changed(self, member: Member) -> None:
         if self._on_change is not None:
             self._on_change(self, member)
 

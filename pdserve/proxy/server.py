@@ -65,7 +65,7 @@ def build_orchestrator(args: argparse.Namespace) -> Orchestrator:
     metrics = ProxyMetrics()
 
     def pool(name: str, urls: Sequence[str], admit: Admission | None = None) -> Pool:
-        made = Pool(name, urls, on_change=metrics.member_changed, admit=admit)
+        made = Pool(name, urls, on_change=metrics.member_changed, admit=admit, on_error=metrics.member_failed)
         for member in made.members:
             metrics.member_changed(made, member)
         return made

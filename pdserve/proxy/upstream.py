@@ -2,6 +2,9 @@
 
 * a member that refuses or times out the connection is taken out of rotation and the next one is
   tried (nothing was sent, so retrying is safe); none left is a 503 naming the pool;
+* a member that answers 503 (draining, overloaded: it did not run the request) is left alone for its
+  ``Retry-After`` (default :data:`DEFAULT_RETRY_AFTER_S`) and the next one is tried; none left relays the
+  last 503;
 * a member that fails after the request went out (it died mid-request) is a 502 naming it: the
   request may have run, so it is not retried;
 * a member's own error status (a 4xx for the client's request, a 5xx) is relayed unchanged, with
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -20,6 +24,9 @@ from pdserve.protocol.errors import ErrorInfo, ErrorResponse
 from pdserve.proxy.pool import Member, Pool, PoolUnavailable
 
 _CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+# How long a member that answered 503 without Retry-After is left alone.
+DEFAULT_RETRY_AFTER_S = 1.0
+MAX_RETRY_AFTER_S = 60.0
 
 
 def error_body(message: str, status: int, kind: str, param: str | None = None) -> dict[str, Any]:
@@ -27,16 +34,19 @@ def error_body(message: str, status: int, kind: str, param: str | None = None) -
 
 
 class UpstreamError(Exception):
-    """What the client gets instead of an answer: an HTTP status and an OpenAI error body."""
+    """What the client gets instead of an answer: an HTTP status, an OpenAI error body, and the headers
+    that go with it (``Retry-After`` on a 503)."""
 
-    def __init__(self, status: int, body: dict[str, Any]):
+    def __init__(self, status: int, body: dict[str, Any], headers: Mapping[str, str] | None = None):
         super().__init__(body.get("error", {}).get("message", str(body)))
         self.status = status
         self.body = body
+        self.headers = dict(headers or {})
 
     @classmethod
     def unavailable(cls, e: PoolUnavailable) -> UpstreamError:
-        return cls(503, error_body(str(e), 503, "ServiceUnavailableError"))
+        headers = {"retry-after": str(max(1, round(e.retry_after_s)))} if e.retry_after_s is not None else None
+        return cls(503, error_body(str(e), 503, "ServiceUnavailableError"), headers)
 
     @classmethod
     def failed(cls, pool: Pool, member: Member, e: Exception) -> UpstreamError:
@@ -44,50 +54,110 @@ class UpstreamError(Exception):
         return cls(502, error_body(message, 502, "BadGatewayError"))
 
 
-def relayed_error(pool: Pool, member: Member, status: int, raw: bytes) -> UpstreamError:
+def relayed_error(pool: Pool, member: Member, status: int, raw: bytes,
+                  headers: Mapping[str, str] | None = None) -> UpstreamError:
     """A member's error answer as the client's: its body when it is an error object, else one naming it."""
     try:
         body = json.loads(raw)
     except ValueError:
         body = None
     if isinstance(body, dict) and isinstance(body.get("error"), dict) and "message" in body["error"]:
-        return UpstreamError(status, body)
+        return UpstreamError(status, body, headers)
     text = raw.decode(errors="replace")[:500]
     kind = "BadRequestError" if status < 500 else "BadGatewayError"
-    return UpstreamError(status, error_body(f"{pool.name} server {member.url} answered {status}: {text}", status, kind))
+    return UpstreamError(status, error_body(f"{pool.name} server {member.url} answered {status}: {text}", status, kind),
+                         headers)
+
+
+def retry_after_s(headers: httpx.Headers) -> float:
+    """A 503's ``Retry-After`` in seconds (delta-seconds; a date or nothing: the default), bounded."""
+    try:
+        seconds = float(headers.get("retry-after", ""))
+    except ValueError:
+        seconds = DEFAULT_RETRY_AFTER_S
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
+
+
+@dataclass
+class OpenStream:
+    """A member's streamed 200: the member counts it in flight until :meth:`aclose` (which may run twice)."""
+
+    pool: Pool
+    member: Member
+    response: httpx.Response
+    _closed: bool = field(default=False, repr=False)
+
+    async def aclose(self) -> None:
+        try:
+            await self.response.aclose()
+        finally:
+            if not self._closed:
+                self._closed = True
+                self.pool.answered(self.member)
 
 
 async def send(
     client: httpx.AsyncClient, pool: Pool, method: str, path: str, body: Any, headers: Mapping[str, str],
-    *, stream: bool = False,
 ) -> tuple[Member, httpx.Response]:
-    """Send to the pool's next healthy member; the member and its 200 response (open when ``stream``).
+    """Send to a member the pool picks and read its 200 answer; the member and the response.
 
     Raises :class:`UpstreamError` for everything else (see the module docstring)."""
+    stream = await open_stream(client, pool, method, path, body, headers)
+    try:
+        await stream.response.aread()
+    except httpx.HTTPError as e:
+        pool.mark_down(stream.member, f"failed mid-request ({type(e).__name__})")
+        pool.failed(stream.member, "dropped")
+        raise UpstreamError.failed(pool, stream.member, e) from None
+    finally:
+        await stream.aclose()
+    return stream.member, stream.response
+
+
+async def open_stream(
+    client: httpx.AsyncClient, pool: Pool, method: str, path: str, body: Any, headers: Mapping[str, str],
+) -> OpenStream:
+    """Send to a member the pool picks; its 200 response, open (the caller closes it). Connect failures and
+    503s go to the next member; see the module docstring for the rest."""
     tried: set[str] = set()
+    refused: UpstreamError | None = None
     while True:
         try:
             member = pool.pick(exclude=tried)
         except PoolUnavailable as e:
-            raise UpstreamError.unavailable(e) from None
+            raise refused or UpstreamError.unavailable(e) from None
         tried.add(member.url)
         request = client.build_request(method, member.url + path, json=body, headers=dict(headers))
+        pool.sent(member)
         try:
-            response = await client.send(request, stream=stream)
+            response = await client.send(request, stream=True)
         except _CONNECT_FAILURES as e:
+            pool.answered(member)
             pool.mark_down(member, f"unreachable ({type(e).__name__})")
+            pool.failed(member, "unreachable")
             continue
         except httpx.HTTPError as e:
+            pool.answered(member)
             pool.mark_down(member, f"failed mid-request ({type(e).__name__})")
+            pool.failed(member, "dropped")
             raise UpstreamError.failed(pool, member, e) from None
+        opened = OpenStream(pool, member, response)
         if response.status_code == 200:
-            return member, response
+            return opened
         try:
             raw = await response.aread()
         except httpx.HTTPError as e:
+            pool.failed(member, "dropped")
             raise UpstreamError.failed(pool, member, e) from None
         finally:
-            await response.aclose()
+            await opened.aclose()
+        if response.status_code >= 500:
+            pool.failed(member, f"status_{response.status_code}")
+        if response.status_code == 503:  # it did not run the request: another member may
+            wait = retry_after_s(response.headers)
+            pool.back_off(member, wait)
+            refused = relayed_error(pool, member, 503, raw, {"retry-after": str(max(1, round(wait)))})
+            continue
         raise relayed_error(pool, member, response.status_code, raw)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from typing import Any
 
 import httpx
@@ -34,17 +35,24 @@ def chunk(**choice: Any) -> dict[str, Any]:
 
 
 class Upstreams:
-    """Mock render/prefill/decode servers that record what each received."""
+    """Mock render/prefill/decode servers that record what each received (``busy``: hosts that answer 503
+    with ``Retry-After: 3``, as a draining or overloaded server does)."""
 
-    def __init__(self, decode_stream: bytes, refused: set[str] = frozenset()):  # type: ignore[assignment]
+    def __init__(self, decode_stream: bytes, refused: set[str] = frozenset(),  # type: ignore[assignment]
+                 busy: set[str] = frozenset()):  # type: ignore[assignment]
         self.seen: list[tuple[str, dict[str, str], Any]] = []
         self.decode_stream = decode_stream
         self.refused = refused
+        self.busy = busy
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         host = request.url.host
         if host in self.refused:
             raise httpx.ConnectError("refused", request=request)
+        if host in self.busy:
+            self.seen.append((host, dict(request.headers), None))
+            error = {"error": {"message": "draining", "type": "ServiceUnavailableError", "param": None, "code": 503}}
+            return httpx.Response(503, json=error, headers={"retry-after": "3"})
         body = json.loads(request.content) if request.content else None
         self.seen.append((host, dict(request.headers), body))
         if request.url.path.endswith("/render"):
@@ -54,19 +62,28 @@ class Upstreams:
         return httpx.Response(200, content=self.decode_stream, headers={"content-type": "text/event-stream"})
 
 
-def run(upstreams: Upstreams, decode_hosts: tuple[str, ...] = ("decode",)) -> tuple[list[str], Orchestrator]:
+# A seed whose first draw of two members is the first member: the pool tries the members in their order.
+IN_ORDER = next(seed for seed in range(100) if random.Random(seed).sample([0, 1], 2)[0] == 0)
+
+
+def run(upstreams: Upstreams, decode_hosts: tuple[str, ...] = ("decode",),
+        metrics: ProxyMetrics | None = None) -> tuple[list[str], Orchestrator]:
+    metrics = metrics or ProxyMetrics()
+
     async def go() -> tuple[list[str], Orchestrator]:
         client = httpx.AsyncClient(transport=httpx.MockTransport(upstreams))
-        pools = [Pool("render", ["http://render"]), Pool("prefill", ["http://prefill"]),
-                 Pool("decode", [f"http://{h}" for h in decode_hosts])]
+        pools = [Pool(name, [f"http://{h}" for h in hosts], on_change=metrics.member_changed,
+                      on_error=metrics.member_failed, rng=random.Random(IN_ORDER))
+                 for name, hosts in (("render", ("render",)), ("prefill", ("prefill",)), ("decode", decode_hosts))]
         for pool in pools:
             for member in pool.members:
                 pool.mark_up(member)
-        orch = Orchestrator(client, *pools, "inline", ProxyMetrics())
+        orch = Orchestrator(client, *pools, "inline", metrics)
         prepared = await orch.prepare("chat", CHAT, "rid")
-        member, response = await orch.open_stream(prepared)
-        events = [e async for e in orch.events(prepared, member, response)]
+        stream = await orch.open_stream(prepared)
+        events = [e async for e in orch.events(prepared, stream)]
         await client.aclose()
+        assert all(m.in_flight == 0 for pool in pools for m in pool.members)  # every leg answered or closed
         return events, orch
 
     return asyncio.run(go())
@@ -121,11 +138,35 @@ def test_a_stream_that_breaks_off_is_an_error_event_naming_the_member() -> None:
 
 
 def test_a_refused_member_is_skipped_and_taken_out_of_rotation() -> None:
+    metrics = ProxyMetrics()
     upstreams = Upstreams(sse(chunk(delta={"content": "a"}, finish_reason="stop")), refused={"d0"})
-    events, orch = run(upstreams, ("d0", "d1"))
+    events, orch = run(upstreams, ("d0", "d1"), metrics)
     assert payloads(events)[-1]["choices"][0]["finish_reason"] == "stop"
     assert [host for host, _, _ in upstreams.seen][-1] == "d1"
     assert [(m.url, m.healthy) for m in orch.decode.members] == [("http://d0", False), ("http://d1", True)]
+    assert metrics.registry.get_sample_value(
+        "pdserve_proxy_member_errors_total", {"pool": "decode", "url": "http://d0", "cause": "unreachable"}) == 1
+
+
+def test_a_503_goes_to_another_member_which_is_left_alone_for_its_retry_after() -> None:
+    metrics = ProxyMetrics()
+    upstreams = Upstreams(sse(chunk(delta={"content": "a"}, finish_reason="stop")), busy={"d0"})
+    events, orch = run(upstreams, ("d0", "d1"), metrics)
+    assert payloads(events)[-1]["choices"][0]["finish_reason"] == "stop"
+    assert [host for host, _, _ in upstreams.seen][-2:] == ["d0", "d1"]
+    d0 = orch.decode.members[0]
+    assert d0.healthy and d0.retry_at > 0  # in rotation, but not asked again for 3 s
+    assert orch.decode.pick().url == "http://d1"
+    errors = metrics.registry.get_sample_value(
+        "pdserve_proxy_member_errors_total", {"pool": "decode", "url": "http://d0", "cause": "status_503"})
+    assert errors == 1
+
+
+def test_when_every_member_is_busy_the_last_503_is_relayed_with_its_retry_after() -> None:
+    with pytest.raises(UpstreamError) as e:
+        run(Upstreams(b"", busy={"d0", "d1"}), ("d0", "d1"))
+    assert e.value.status == 503 and e.value.body["error"]["message"] == "draining"
+    assert e.value.headers == {"retry-after": "3"}
 
 
 def test_a_dead_pool_is_a_503_naming_it() -> None:
