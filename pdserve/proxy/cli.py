@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.protocol.keepalive import SERVER_KEEP_ALIVE_S
-from pdserve.proxy.modes import MODES
+from pdserve.proxy.modes import MODES, ROUTINGS
 
 
 def _urls(value: str) -> list[str]:
@@ -31,6 +31,9 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=MODES, default="inline",
                    help="inline: the decode leg returns OpenAI content (derender/text); derender-tier: the decode "
                    "leg streams tokens and each chunk goes through the render server's /derender")
+    p.add_argument("--routing", choices=ROUTINGS, default="p2c",
+                   help="how a pool picks a member: p2c (the one with fewer requests in flight of two drawn at random) "
+                   "or round-robin")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")

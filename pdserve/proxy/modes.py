@@ -1,4 +1,5 @@
-"""The proxy's two ways to produce OpenAI output (``--mode``), named once for the CLI and the flow.
+"""The proxy's two ways to produce OpenAI output (``--mode``) and to pick a pool member (``--routing``),
+named once for the CLI, the flow and the pools.
 
 * ``inline``: the decode leg returns OpenAI content itself (``derender`` for chat, ``text`` for
   completions);
@@ -12,3 +13,7 @@ from typing import Literal
 
 Mode = Literal["inline", "derender-tier"]
 MODES: tuple[Mode, ...] = ("inline", "derender-tier")
+
+# --routing: the less busy of two members drawn at random (pdserve.proxy.pool says why), or each in turn.
+Routing = Literal["p2c", "round-robin"]
+ROUTINGS: tuple[Routing, ...] = ("p2c", "round-robin")

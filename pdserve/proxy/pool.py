@@ -5,6 +5,7 @@ Why two random choices: round-robin sends a slow member (a loaded host, a slow l
 queue grows while the others idle; picking the member with fewer requests in flight of two drawn at random
 steers away from it without every request herding to the one least-loaded member (the "power of two
 choices"). A member that answered 503 with ``Retry-After`` (draining, overloaded) is left out until then.
+``--routing round-robin`` keeps the old rotation, for comparison and for operators who want it.
 
 A member is out of rotation from the moment a leg cannot reach it (no request waits for the next
 check to learn that) and back once ``GET /health`` answers 200 again. A pool may also ask a member
@@ -26,6 +27,8 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import httpx
+
+from pdserve.proxy.modes import ROUTINGS
 
 logger = logging.getLogger("pdserve.proxy")
 
@@ -62,7 +65,8 @@ class Member:
 
 
 class Pool:
-    """One role's servers (render, prefill or decode): the less busy of two healthy members drawn at random.
+    """One role's servers (render, prefill or decode): the less busy of two healthy members drawn at random
+    (``routing="p2c"``), or each healthy member in turn (``"round-robin"``).
 
     ``on_change`` is told of every change of a member's health or requests in flight, ``on_error`` of every
     failed request with its cause (``unreachable``, ``dropped``, ``status_503``, ...): the proxy's metrics.
@@ -70,9 +74,13 @@ class Pool:
 
     def __init__(self, name: str, urls: Sequence[str], on_change: Callable[[Pool, Member], None] | None = None,
                  admit: Admission | None = None, on_error: Callable[[Pool, Member, str], None] | None = None,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, routing: str = "p2c"):
         if not urls:
             raise ValueError(f"the {name} pool needs at least one URL")
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, not {routing!r}")
+        self.routing = routing
+        self._next = 0  # round-robin: where the next turn starts
         self.name = name
         self.members = [Member(url.rstrip("/")) for url in urls]
         self._on_change = on_change
@@ -92,8 +100,20 @@ class Pool:
                 raise PoolUnavailable(f"every server in the {self.name} pool asked to be retried later "
                                       f"(Retry-After; the first in {wait:.1f}s)", retry_after_s=wait)
             raise PoolUnavailable(self.unavailable_message())
+        if self.routing == "round-robin":
+            return self._next_in_turn(ready)
         drawn = self._rng.sample(ready, 2) if len(ready) > 1 else ready
         return min(drawn, key=lambda m: m.in_flight)
+
+    def _next_in_turn(self, ready: list[Member]) -> Member:
+        """Round-robin: the first ready member at or after the turn's position in the pool's order."""
+        count = len(self.members)
+        for step in range(count):
+            member = self.members[(self._next + step) % count]
+            if member in ready:
+                self._next = (self._next + step + 1) % count
+                return member
+        raise AssertionError("ready members are pool members")
 
     def sent(self, member: Member) -> None:
         """A request went to ``member`` (:meth:`answered` when it is over)."""

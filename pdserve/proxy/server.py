@@ -27,7 +27,8 @@ def _pool_line(pool: Pool) -> str:
 
 def ready_banner(orch: Orchestrator, url: str) -> str:
     """Where it listens, the mode, and each pool with its members' health at start."""
-    lines = [f"pdserve proxy ready on {url}", f"  mode       {orch.mode}"]
+    lines = [f"pdserve proxy ready on {url}", f"  mode       {orch.mode}",
+             f"  routing    {orch.decode.routing}"]
     lines += [f"  {pool.name:<10} {_pool_line(pool)}" for pool in orch.pools]
     lines.append(f"  routes     {ROUTES}")
     return "\n".join(lines)
@@ -65,7 +66,8 @@ def build_orchestrator(args: argparse.Namespace) -> Orchestrator:
     metrics = ProxyMetrics()
 
     def pool(name: str, urls: Sequence[str], admit: Admission | None = None) -> Pool:
-        made = Pool(name, urls, on_change=metrics.member_changed, admit=admit, on_error=metrics.member_failed)
+        made = Pool(name, urls, on_change=metrics.member_changed, admit=admit, on_error=metrics.member_failed,
+                    routing=args.routing)
         for member in made.members:
             metrics.member_changed(made, member)
         return made

@@ -55,6 +55,21 @@ def test_equal_loads_spread_over_every_member_and_a_slow_one_gets_less() -> None
     assert picks[slow.url] < 300 / len(URLS) / 3, picks
 
 
+@given(st.lists(st.booleans(), min_size=1, max_size=len(URLS)).filter(any), st.integers(1, 20))
+def test_round_robin_visits_every_healthy_member_in_turn_whatever_their_load(health: list[bool], picks: int) -> None:
+    pool = Pool("decode", URLS[: len(health)], routing="round-robin")
+    for member, ok in zip(pool.members, health):
+        (pool.mark_up if ok else lambda m: pool.mark_down(m, "down"))(member)
+        pool.sent(member)  # load does not steer round-robin
+    healthy = [m.url for m, ok in zip(pool.members, health) if ok]
+    assert [pool.pick().url for _ in range(picks)] == [healthy[i % len(healthy)] for i in range(picks)]
+
+
+def test_an_unknown_routing_is_refused() -> None:
+    with pytest.raises(ValueError, match="routing must be one of p2c, round-robin"):
+        Pool("decode", URLS, routing="random")
+
+
 def test_a_member_that_asked_to_be_left_alone_is_skipped_until_then(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [100.0]
     monkeypatch.setattr(pool_module.time, "monotonic", lambda: now[0])
