@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import httpx
 
+from pdserve.protocol.generate import OutputMode, decodes_text, parses_message
+
 GENERATE_PATH = "/inference/v1/generate"
 # One token id every vocabulary has; the probe asks for one new token, so it costs one engine step.
 PROBE_TOKEN_IDS = [0]
@@ -40,22 +42,23 @@ def mode_refusal(url: str, mode: str, status: int, content: bytes) -> str | None
     return None
 
 
-def probe_body(mode: str) -> dict[str, object]:
-    """A one-token batch request in ``mode`` (``derender`` with an empty parse context: a server with
+def probe_body(mode: OutputMode) -> dict[str, object]:
+    """A one-token batch request in ``mode`` (a parsed mode with an empty parse context: a server with
     parsers needs one, and the probe has no chat to carry)."""
     body: dict[str, object] = {"token_ids": PROBE_TOKEN_IDS, "sampling_params": {"max_tokens": 1},
                                "output_mode": mode, "stream": False}
-    if mode == "derender":
+    if parses_message(mode):
         body["parse_context"] = {}
     return body
 
 
-async def member_refusal(client: httpx.AsyncClient, url: str, modes: Sequence[str], timeout_s: float) -> str | None:
+async def member_refusal(client: httpx.AsyncClient, url: str, modes: Sequence[OutputMode], timeout_s: float
+                         ) -> str | None:
     """Why the decode member at ``url`` cannot take the proxy's decode legs (None when it serves every one
-    of ``modes``; ``tokens`` is every generate server's default and is not asked). A member that cannot
+    of ``modes``; ids only, every generate server's default, is not asked). A member that cannot
     be reached raises ``httpx.HTTPError``: that is its health check's to report, not a refusal."""
     for mode in modes:
-        if mode == "tokens":
+        if not decodes_text(mode):
             continue
         response = await client.post(url + GENERATE_PATH, json=probe_body(mode), timeout=timeout_s)
         refusal = mode_refusal(url + GENERATE_PATH, mode, response.status_code, response.content)
