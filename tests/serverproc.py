@@ -119,3 +119,12 @@ class ServerProcess(_Launcher):
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def metric_sum(url: str, name: str, labels: str = "") -> float:
+    """The sum of the ``/metrics`` samples named ``name`` whose labels contain ``labels`` (vLLM labels every
+    sample with its engine and model; a pdserve counter has one unlabelled sample). A missing name fails."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    found = re.findall(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
+    assert found, f"{name} missing from {url}/metrics"
+    return sum(float(value) for label, value in found if labels in (label or ""))

@@ -45,7 +45,7 @@ class UpstreamError(Exception):
 
     @classmethod
     def unavailable(cls, e: PoolUnavailable) -> UpstreamError:
-        headers = {"retry-after": str(max(1, round(e.retry_after_s)))} if e.retry_after_s is not None else None
+        headers = retry_after_header(e.retry_after_s) if e.retry_after_s is not None else None
         return cls(503, error_body(str(e), 503, "ServiceUnavailableError"), headers)
 
     @classmethod
@@ -67,6 +67,11 @@ def relayed_error(pool: Pool, member: Member, status: int, raw: bytes,
     kind = "BadRequestError" if status < 500 else "BadGatewayError"
     return UpstreamError(status, error_body(f"{pool.name} server {member.url} answered {status}: {text}", status, kind),
                          headers)
+
+
+def retry_after_header(seconds: float) -> dict[str, str]:
+    """The client's ``Retry-After`` for a wait of ``seconds`` (whole seconds, at least 1)."""
+    return {"retry-after": str(max(1, round(seconds)))}
 
 
 def retry_after_s(headers: httpx.Headers) -> float:
@@ -156,7 +161,7 @@ async def open_stream(
         if response.status_code == 503:  # it did not run the request: another member may
             wait = retry_after_s(response.headers)
             pool.back_off(member, wait)
-            refused = relayed_error(pool, member, 503, raw, {"retry-after": str(max(1, round(wait)))})
+            refused = relayed_error(pool, member, 503, raw, retry_after_header(wait))
             continue
         raise relayed_error(pool, member, response.status_code, raw)
 

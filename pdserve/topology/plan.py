@@ -66,7 +66,8 @@ def plan(req: TopologyRequest, port_for: Callable[[int], int]) -> list[MemberSpe
     ), port_for(1))]
     engine_servers = req.prefill + req.decode
     first_side_channel = len(specs) + engine_servers + 1  # the port index after every HTTP port
-    side_channels = iter([port_for(first_side_channel + i) for i in range(engine_servers)])
+    side_channels = iter([port_for(first_side_channel + i) for i in range(engine_servers)]
+                         if req.engine == "vllm" else [])
 
     def kv_flags(role: str) -> tuple[str, ...]:
         flags = (*KV_TRANSFER_FLAGS, "--kv-role", role)

@@ -16,6 +16,7 @@ import pytest
 
 from pdserve.proxy.legs import decode_body, prefill_body
 from tests.fleet.hosts import FleetHosts, HostMember, python_on, require_namespaces
+from tests.serverproc import metric_sum
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(600)
@@ -59,11 +60,6 @@ def test_hosts_reach_each_other_a_partition_cuts_one_off_and_healing_brings_it_b
         member.stop()
 
 
-def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
-
-
 def hand_off(prefill: HostMember, decode: HostMember) -> dict[str, object]:
     r = httpx.post(prefill.url + "/inference/v1/generate", json=prefill_body(PROMPT), timeout=120)
     assert r.status_code == 200, r.text
@@ -89,13 +85,13 @@ def test_the_kv_crosses_the_link_and_a_slow_link_slows_the_pull(hosts: FleetHost
         for pulls, slow in enumerate((False, True), start=1):
             if slow:
                 a.slow_link(rate="1mbit")
-            pulled, took = metric(decode.url, "pdserve_kv_pulled_bytes_total"), \
-                metric(decode.url, "pdserve_kv_pull_seconds_sum")
+            pulled, took = metric_sum(decode.url, "pdserve_kv_pulled_bytes_total"), \
+                metric_sum(decode.url, "pdserve_kv_pull_seconds_sum")
             answers.append(hand_off(prefill, decode)["choices"])
             # The engine core reports its counters with its heartbeat (every 0.5 s).
-            wait_until(lambda n=pulls: metric(decode.url, "pdserve_kv_pulls_ok_total") == n, f"{pulls} pull(s) counted")
-            size = metric(decode.url, "pdserve_kv_pulled_bytes_total") - pulled
-            seconds.append(metric(decode.url, "pdserve_kv_pull_seconds_sum") - took)
+            wait_until(lambda n=pulls: metric_sum(decode.url, "pdserve_kv_pulls_ok_total") == n, f"{pulls} pull(s) counted")
+            size = metric_sum(decode.url, "pdserve_kv_pulled_bytes_total") - pulled
+            seconds.append(metric_sum(decode.url, "pdserve_kv_pull_seconds_sum") - took)
             assert size > 0
         assert answers[0] == answers[1] == coupled["choices"]
         # 1 mbit/s is 125 kB/s: the slowed pull takes at least the KV's size over that rate.

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import time
 import uuid
@@ -47,7 +46,7 @@ from pdserve.topology.process import free_port
 from pdserve.topology.warmup import hand_off
 from tests.interop.chats import WEATHER, client, folded_stream, markup_bias, message_of
 from tests.interop.peers import MODEL_NAME, PARSER_ARGS, VllmPeer, pdserve
-from tests.serverproc import ServerProcess
+from tests.serverproc import ServerProcess, metric_sum
 from tests.sse import stream_post
 
 # Five vLLM engine cores start at once (minutes on a loaded 2-core host; pytest-timeout counts the fixture).
@@ -196,14 +195,6 @@ def test_reasoning_and_tool_markup_parse_the_same_as_on_one_coupled_vllm_server(
     assert parsed["reasoning"] and parsed["content"], parsed  # the markup reached both sides of the parser
 
 
-def _samples(server: ServerProcess, name: str, labels: str = "") -> float:
-    """The sum of ``name``'s samples whose labels contain ``labels`` (vLLM labels every sample)."""
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    found = re.findall(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
-    assert found, f"{name} missing from {server.url}/metrics"
-    return sum(float(value) for label, value in found if labels in (label or ""))
-
-
 PULLED = ("vllm:prompt_tokens_by_source_total", 'source="external_kv_transfer"')
 COMPUTED = ("vllm:prompt_tokens_by_source_total", 'source="local_compute"')
 TRANSFERS = ("vllm:nixl_xfer_time_seconds_count", "")
@@ -217,14 +208,14 @@ def test_the_decode_side_pulled_every_prompt_token_and_computed_none(servers: Se
     if ours:  # pdserve's own counters, filled from vLLM's stats
         counters += [("pdserve_kv_pulled_tokens_total", ""), ("pdserve_engine_prompt_tokens_computed_total", ""),
                      ("pdserve_kv_pulls_ok_total", "")]
-    before = [_samples(decode, *c) for c in counters]
+    before = [metric_sum(decode.url, *c) for c in counters]
     # A prompt no server has seen (a decode server's prefix cache would serve a repeated one locally).
     prompt = f"Request {uuid.uuid4().hex}. {LONG}"
     r = httpx.post(servers.fleets[fleet].proxy.url + "/v1/completions", timeout=300,
                    json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200, r.text
     prompt_tokens = r.json()["usage"]["prompt_tokens"]
-    grown = [_samples(decode, *c) - b for c, b in zip(counters, before)]
+    grown = [metric_sum(decode.url, *c) - b for c, b in zip(counters, before)]
     assert grown[:3] == [prompt_tokens, 0, 1]  # every prompt token came over NIXL, in one transfer
     if ours:
         assert grown[3:] == [prompt_tokens, 0, 1]
@@ -243,18 +234,18 @@ def test_the_banner_names_vllms_connector(servers: Servers) -> None:
 
 def test_an_unpulled_lease_is_freed_when_it_expires(servers: Servers) -> None:
     prefill = servers.spare_prefill
-    expired = _samples(prefill, "pdserve_kv_leases_expired_total")
-    vllm_expired = _samples(prefill, "vllm:nixl_num_kv_expired_reqs_total")
+    expired = metric_sum(prefill.url, "pdserve_kv_leases_expired_total")
+    vllm_expired = metric_sum(prefill.url, "vllm:nixl_num_kv_expired_reqs_total")
     rendered = render(servers, "completions", {"prompt": f"Lease {uuid.uuid4().hex}. {LONG}", "max_tokens": 4})
     prefill_leg(prefill, rendered)
-    assert _samples(prefill, "vllm:kv_cache_usage_perc") > 0  # held for the pull that never comes
+    assert metric_sum(prefill.url, "vllm:kv_cache_usage_perc") > 0  # held for the pull that never comes
     deadline = time.monotonic() + SHORT_LEASE_S + 60
-    while _samples(prefill, "pdserve_kv_leases_expired_total") == expired:
+    while metric_sum(prefill.url, "pdserve_kv_leases_expired_total") == expired:
         assert time.monotonic() < deadline, f"the {SHORT_LEASE_S} s lease was not freed"
         time.sleep(0.5)
-    assert _samples(prefill, "pdserve_kv_leases_expired_total") == expired + 1
-    assert _samples(prefill, "vllm:nixl_num_kv_expired_reqs_total") == vllm_expired + 1
-    assert _samples(prefill, "vllm:kv_cache_usage_perc") == 0
+    assert metric_sum(prefill.url, "pdserve_kv_leases_expired_total") == expired + 1
+    assert metric_sum(prefill.url, "vllm:nixl_num_kv_expired_reqs_total") == vllm_expired + 1
+    assert metric_sum(prefill.url, "vllm:kv_cache_usage_perc") == 0
 
 
 def test_a_prefill_killed_before_the_pull_fails_the_decode_leg_or_is_recomputed(servers: Servers) -> None:
@@ -267,7 +258,7 @@ def test_a_prefill_killed_before_the_pull_fails_the_decode_leg_or_is_recomputed(
     assert prefill.proc is not None
     os.killpg(prefill.proc.pid, signal.SIGKILL)
     prefill.proc.wait(timeout=30)
-    failed = _samples(ours, "pdserve_kv_pulls_failed_total")
+    failed = metric_sum(ours.url, "pdserve_kv_pulls_failed_total")
     # pdserve's decode (kv_load_failure_policy fail): a 502 naming the KV load and the prefill engine.
     r = httpx.post(ours.url + "/inference/v1/generate", json=decode_body(rendered, "derender", legs[0]), timeout=300)
     assert r.status_code == 502, r.text
@@ -276,7 +267,7 @@ def test_a_prefill_killed_before_the_pull_fails_the_decode_leg_or_is_recomputed(
     events, done = stream_post(ours.url + "/inference/v1/generate",
                                decode_body(rendered, "derender", legs[1]) | {"stream": True}, timeout=300)
     assert done and events[-1]["error"]["type"] == "KVLoadError" and events[-1]["error"]["code"] == 502
-    assert _samples(ours, "pdserve_kv_pulls_failed_total") >= failed + 2
+    assert metric_sum(ours.url, "pdserve_kv_pulls_failed_total") >= failed + 2
     # The stock decode under kv_load_failure_policy recompute: the right answer, the prompt computed there.
     recomputed = httpx.post(stock.url + "/inference/v1/generate", json=decode_body(rendered, "tokens", legs[2]),
                             timeout=300)

@@ -5,21 +5,14 @@ decode member's ``/metrics`` shows the prompt's KV pulled, not computed."""
 
 from __future__ import annotations
 
-import re
-
-import httpx
 import pytest
 
 from tests.interop.chats import WEATHER, client, folded_stream, markup_bias
+from tests.serverproc import metric_sum
 from tests.upproc import Up
 
 pytestmark = pytest.mark.timeout(1800)
 PARSERS = ("--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice")
-
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE))
 
 
 def test_up_engine_vllm_answers_the_openai_sdk_and_the_decode_member_pulls_the_kv() -> None:
@@ -30,14 +23,14 @@ def test_up_engine_vllm_answers_the_openai_sdk_and_the_decode_member_pulls_the_k
         decode = topology.members["decode-0"][0]
         counters = ("pdserve_kv_pulls_ok_total", "pdserve_kv_pulled_tokens_total",
                     "pdserve_engine_prompt_tokens_computed_total")
-        before = [metric(decode, name) for name in counters]
+        before = [metric_sum(decode, name) for name in counters]
         kwargs = {"model": "qwen3-tiny", "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
                   "tools": [WEATHER], "max_tokens": 24, "temperature": 1.0, "seed": 0, "logit_bias": markup_bias(),
                   "extra_body": {"return_token_ids": True}}
         proxied = folded_stream(client(base.removesuffix("/v1")), kwargs)
         _, reasoning, _, ids, tokens = proxied
         assert reasoning and len(ids) == tokens == 24
-        pulls, pulled, computed = (metric(decode, name) - b for name, b in zip(counters, before))
+        pulls, pulled, computed = (metric_sum(decode, name) - b for name, b in zip(counters, before))
         assert pulls == 1 and pulled > 16 and computed == 0  # the prompt came over NIXL; none computed here
         assert proxied == folded_stream(client(decode), kwargs)  # the decode engine's own coupled answer
     finally:
