@@ -85,11 +85,14 @@ class SequenceState:
     """One sequence's sampling state: its rules, its generator (None = greedy), its output ids and,
     when a penalty is on, a running count of each id in the output."""
 
-    def __init__(self, rules: RequestRules, generator: torch.Generator | None, vocab_size: int) -> None:
+    def __init__(self, rules: RequestRules, generator: torch.Generator | None, vocab_size: int,
+                 prior_output: list[int] | None = None) -> None:
         self.rules = rules
         self.generator = generator
         self.output: list[int] = []
         self.counts = torch.zeros(vocab_size, dtype=torch.float32) if rules.penalized else None
+        if self.counts is not None and prior_output:  # a resumed stream's earlier output is output to penalize
+            self.counts.index_put_((torch.tensor(prior_output, dtype=torch.long),), torch.tensor(1.0), accumulate=True)
 
     def record(self, token: int) -> None:
         """The sequence produced ``token``: O(1) whatever the output length."""

@@ -108,8 +108,10 @@ class StepLoop:
         req = ScheduledRequest(request.request_id, list(request.prompt_token_ids), sp, frozenset(sp.stop_token_ids))
         vocab = self.model.cfg.vocab_size
         rules = request_rules(sp, req.prompt, vocab, self.eos_ids)
+        prior = req.prompt[len(req.prompt) - request.prior_output_tokens :] if request.prior_output_tokens else None
         for i in range(sp.n):
-            req.sequences.append(ScheduledSequence(req, i, SequenceState(rules, self._generator(sp, i), vocab)))
+            state = SequenceState(rules, self._generator(sp, i), vocab, prior)
+            req.sequences.append(ScheduledSequence(req, i, state))
         self.requests[req.request_id] = req
         if not self.kv.on_add(req, request.kv):  # a P/D leg may wait for its KV blocks first
             self.scheduler.add(req)

@@ -206,6 +206,20 @@ class ChoiceState:
             update.delta = TextDelta(content=text or None)
         return update
 
+    def resume(self, prior_chunks: Sequence[Sequence[int]]) -> None:
+        """Take ``prior_chunks`` as output already sent (a resumed stream): through the detokenizer, stop
+        strings and parser chunk by chunk, as the first leg took them, with nothing of them sent again.
+        Every one of them counts as released, since the client has their text."""
+        for ids in prior_chunks:
+            self.add(EngineOutput(request_id="", index=self.index, new_token_ids=list(ids)))
+        if self.detok is None or self._released >= len(self.token_ids):
+            return
+        held = self.detok.release(finished=True)  # held back for a stop string, but the client has it
+        ids = self.token_ids[self._released :]
+        self._released = len(self.token_ids)
+        if self.parser is not None:
+            self.parser.step(held.text, ids, None)
+
     def _add_ids(self, out: EngineOutput) -> ChoiceUpdate:
         """Tokens mode without stop strings: the ids go out as they come, with no text made."""
         finish = out.finish_reason
@@ -254,6 +268,11 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return all(c.finished for c in self.choices)
+
+    def resume(self, prior_chunks: Sequence[Sequence[int]]) -> None:
+        """A resumed stream (``GenerateRequest.prior_output_chunks``, n=1): the output already sent."""
+        if prior_chunks:
+            self.choices[0].resume(prior_chunks)
 
     def add(self, out: EngineOutput) -> ChoiceUpdate | None:
         if not 0 <= out.index < len(self.choices):

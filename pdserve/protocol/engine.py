@@ -100,6 +100,10 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     # Tokens per stream chunk: an engine core holds each sequence's outputs until that many have gathered
     # (the first token and the end go at once; pdserve.engine.coalesce). 1: every step's outputs.
     stream_interval: int = 1
+    # The last N prompt ids are output a previous leg produced (GenerateRequest.prior_output_tokens):
+    # the engine continues after them and counts them as output where that matters (penalties, a
+    # script's position); max_tokens and min_tokens count new tokens only.
+    prior_output_tokens: int = 0
 
 
 class PositionLogprobs(msgspec.Struct, array_like=True):

@@ -108,6 +108,13 @@ class GenerateRequest(BaseModel):
     # Encoder-cache transfer (multimodal disaggregation): text only here, so null.
     ec_transfer_params: dict[str, Any] | None = None
     chat_request: ChatCompletionRequest | None = None
+    # pdserve: a resumed stream. Its prior output (streamed to the client by another server, whose decode
+    # member then failed) ends token_ids, in stream chunks of these lengths. Those ids are treated as
+    # output: replayed chunk by chunk into the detokenizer, stop strings and parsers (whose state depends
+    # on the chunking) without being sent again, counted as completion tokens in usage and as output by
+    # the engine's penalties; the engine continues after them. sampling_params.max_tokens / min_tokens
+    # count the new tokens only.
+    prior_output_chunks: list[Annotated[int, Field(ge=1)]] | None = None
 
     @field_validator("features", "ec_transfer_params")
     @classmethod
@@ -151,7 +158,43 @@ class GenerateRequest(BaseModel):
             )
         if self.chat_request is not None and self.parse_context is not None:
             raise ValueError("give either chat_request or parse_context as parser context, not both")
+        if self.prior_output_chunks:
+            self._check_prior_output()
         return self
+
+    def _check_prior_output(self) -> None:
+        if self.prior_output_tokens >= len(self.token_ids):
+            raise ValueError(
+                f"prior_output_chunks hold {self.prior_output_tokens} ids, which leaves no prompt: they must "
+                f"be fewer than the token_ids ({len(self.token_ids)}), which hold the prompt, then the prior output"
+            )
+        if not self.stream:
+            raise ValueError("prior_output_chunks resume a stream; send stream=true (a batch request has "
+                             "nothing sent yet to resume)")
+        if self.sampling_params.n != 1:
+            raise ValueError(f"prior_output_chunks continue one sequence; send n=1 (got n={self.sampling_params.n})")
+        if self.sampling_params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs cannot be asked of a resumed stream (its prompt holds prior "
+                             "output; the first leg sent the prompt's logprobs); drop prompt_logprobs")
+
+    @property
+    def prior_output_tokens(self) -> int:
+        """How many of ``token_ids`` (the last ones) are prior output."""
+        return sum(self.prior_output_chunks or ())
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The prompt: ``token_ids`` without the prior output ids."""
+        return self.token_ids[: len(self.token_ids) - self.prior_output_tokens]
+
+    @property
+    def prior_output_chunk_ids(self) -> list[list[int]]:
+        """The output already sent, chunk by chunk (``prior_output_chunks``), which this server continues."""
+        chunks, pos = [], len(self.token_ids) - self.prior_output_tokens
+        for size in self.prior_output_chunks or ():
+            chunks.append(self.token_ids[pos : pos + size])
+            pos += size
+        return chunks
 
     def effective_kv_transfer_params(self) -> dict[str, Any] | None:
         """Top-level kv_transfer_params win over ``sampling_params.extra_args`` (llm-d sends either)."""

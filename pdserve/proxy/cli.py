@@ -23,6 +23,13 @@ def _positive(value: str) -> float:
     return number
 
 
+def _count(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value!r}")
+    return number
+
+
 def add_proxy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--render", type=_urls, required=True,
                    help="render server URL (pdserve launch render); comma-separate several for a pool")
@@ -42,6 +49,12 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
                    help="bound on connecting to a member (a dead one fails this fast)")
     p.add_argument("--upstream-timeout-s", type=_positive, default=600.0,
                    help="bound on waiting for a member's next bytes")
+    p.add_argument("--migration-limit", type=_count, default=1,
+                   help="how many times a client's stream may move to another decode member when its decode leg "
+                   "fails mid-stream (dies, stalls, drains, breaks off); 0 turns migration off")
+    p.add_argument("--stall-timeout-s", type=_positive, default=30.0,
+                   help="silence between a decode stream's chunks after which its member counts as hung (the "
+                   "stream then migrates; the first chunk is bounded by --upstream-timeout-s)")
     p.add_argument("--timeout-keep-alive", type=_positive, default=SERVER_KEEP_ALIVE_S,
                    help="seconds an idle client connection stays open (above the clients' idle expiry: "
                    "httpx and the openai SDK keep 5 s)")

@@ -5,12 +5,14 @@ response) goes through the render server's ``/derender`` with the client-carried
 (one per choice). Both end in the same OpenAI output.
 
 Every leg carries the same ``X-Request-Id``. Everything up to the decode stream's first byte runs
-before the client gets a status, so render/prefill failures keep their HTTP status; after that an
-upstream failure is an error event followed by ``[DONE]``.
+before the client gets a status, so render/prefill failures keep their HTTP status. After that a decode
+leg that fails moves to another decode member (:mod:`~pdserve.proxy.migration`), and what cannot go on is
+an error event followed by ``[DONE]``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -25,6 +27,7 @@ from pdserve.protocol.sse import DONE, sse_event
 from pdserve.proxy import relay
 from pdserve.proxy.legs import decode_body, prefill_body
 from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.migration import LegBroken, Resumption
 from pdserve.proxy.modes import Mode
 from pdserve.proxy.pool import Member, Pool
 from pdserve.proxy.upstream import OpenStream, UpstreamError, error_body, open_stream, post_json
@@ -95,15 +98,25 @@ class Prepared:
         return {key: self.body}
 
 
+@dataclass(frozen=True)
+class MigrationSettings:
+    """``--migration-limit`` (moves per stream; 0: off) and ``--stall-timeout-s`` (the silence between a
+    decode stream's chunks after which its member counts as hung)."""
+
+    limit: int = 1
+    stall_timeout_s: float = 30.0
+
+
 class Orchestrator:
     """The pools, the shared HTTP client, the mode and the metrics: what every request needs."""
 
     def __init__(self, client: httpx.AsyncClient, render: Pool, prefill: Pool, decode: Pool, mode: Mode,
-                 metrics: ProxyMetrics):
+                 metrics: ProxyMetrics, migration: MigrationSettings = MigrationSettings()):
         self.client = client
         self.render, self.prefill, self.decode = render, prefill, decode
         self.mode = mode
         self.metrics = metrics
+        self.migration = migration
 
     @property
     def pools(self) -> tuple[Pool, Pool, Pool]:
@@ -180,32 +193,60 @@ class Orchestrator:
     async def events(self, p: Prepared, stream: OpenStream) -> AsyncIterator[str]:
         """The client's SSE events from an open decode stream; always ends with ``[DONE]``.
 
-        Closing this iterator (the client left) closes the decode stream, which aborts the request
-        on the decode server."""
+        A decode leg that breaks moves to another decode member when it can (:meth:`_migrate`). Closing
+        this iterator (the client left) closes the decode stream, which aborts the request on the decode
+        server."""
         model = self._model(stream.member, p)
         start = time.perf_counter()
         surface = self._surface(p, model)
         convert = self._converter(p, surface)
+        resumption = Resumption(p.rendered, decode_mode(self.mode, p.kind), self.migration.limit)
         try:
             for chunk in surface.opening():
                 yield sse_event(chunk)
-            async for chunk in _generate_chunks(stream):
-                if "error" in chunk:
-                    yield sse_event(chunk)
+            while True:
+                try:
+                    async for chunk in _generate_chunks(stream, self.migration.stall_timeout_s):
+                        if "error" in chunk:
+                            _raise_if_member_failed(stream, chunk)
+                            yield sse_event(chunk)
+                            break
+                        chunk = resumption.adjusted(chunk)
+                        if not chunk.get("choices"):
+                            if chunk.get("usage") is not None:
+                                yield sse_event(relay.usage_chunk(surface, chunk["usage"]))
+                            continue
+                        resumption.saw(chunk)
+                        out = await convert(chunk)
+                        if out is not None:
+                            yield sse_event(out)
                     break
-                if not chunk.get("choices"):
-                    if chunk.get("usage") is not None:
-                        yield sse_event(relay.usage_chunk(surface, chunk["usage"]))
-                    continue
-                out = await convert(chunk)
-                if out is not None:
-                    yield sse_event(out)
+                except LegBroken as broken:
+                    stream = await self._migrate(p, stream, resumption, broken)
         except UpstreamError as e:
             yield sse_event(e.body)
         finally:
             await stream.aclose()
             self.metrics.leg_seconds.labels("decode").observe(time.perf_counter() - start)
         yield DONE
+
+    async def _migrate(self, p: Prepared, broken_stream: OpenStream, resumption: Resumption,
+                       broken: LegBroken) -> OpenStream:
+        """The stream continued on another decode member, or the :class:`UpstreamError` the client gets."""
+        await broken_stream.aclose()
+        refusal = resumption.refusal()
+        if refusal is not None:
+            self.metrics.migrations.labels(broken.cause, "not_moved").inc()
+            raise _explained(broken.error, f"not moved to another decode member: {refusal}")
+        body = resumption.body(decode_body(p.rendered, decode_mode(self.mode, p.kind), None))
+        try:
+            stream = await open_stream(self.client, self.decode, "POST", GENERATE, body, p.headers,
+                                       exclude={broken_stream.member.url})
+        except UpstreamError as e:
+            self.metrics.migrations.labels(broken.cause, "failed").inc()
+            raise _explained(broken.error, f"moving it to another decode member failed: {e}") from None
+        self.metrics.migrations.labels(broken.cause, "moved").inc()
+        return stream
 
     def _converter(self, p: Prepared, surface: relay.Surface) -> Callable[[dict[str, Any]], Any]:
         """chunk -> the client's chunk (or None): inline relays, derender-tier asks ``/derender`` first."""
@@ -229,21 +270,58 @@ class Orchestrator:
         return inline if self.mode == "inline" else derendered
 
 
-async def _generate_chunks(stream: OpenStream) -> AsyncIterator[dict[str, Any]]:
-    """The JSON events of a generate stream up to ``[DONE]``; a stream that breaks off is an
-    :class:`UpstreamError` (and takes the member out of rotation until its health check passes)."""
+async def _generate_chunks(stream: OpenStream, stall_timeout_s: float) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of a generate stream up to ``[DONE]``. A stream that breaks off, goes silent for
+    ``stall_timeout_s`` once it started, ends without ``[DONE]`` or sends what is not JSON raises
+    :class:`LegBroken` (a member that dropped or stalled leaves rotation until its health check passes)."""
     pool, member = stream.pool, stream.member
+    lines = stream.response.aiter_lines()
+    started = False
     try:
-        async for line in stream.response.aiter_lines():
+        while True:
+            try:
+                line = await (asyncio.wait_for(anext(lines), stall_timeout_s) if started else anext(lines))
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                pool.mark_down(member, "stalled mid-stream")
+                pool.failed(member, "stalled")
+                message = f"{pool.name} server {member.url} sent nothing for {stall_timeout_s:g} s mid-stream"
+                raise LegBroken("stalled", UpstreamError(504, error_body(message, 504, "GatewayTimeoutError"))) from None
             if not line.startswith("data: "):
                 continue
             payload = line[len("data: "):]
             if payload == "[DONE]":
                 return
-            yield json.loads(payload)
+            started = True
+            try:
+                event = json.loads(payload)
+            except ValueError:
+                pool.failed(member, "garbage")
+                message = f"{pool.name} server {member.url} sent an event that is not JSON: {payload[:200]!r}"
+                raise LegBroken("garbage", UpstreamError(502, error_body(message, 502, "BadGatewayError"))) from None
+            yield event
     except httpx.HTTPError as e:
         pool.mark_down(member, f"dropped a stream ({type(e).__name__})")
         pool.failed(member, "dropped")
-        raise UpstreamError.failed(pool, member, e) from None
+        raise LegBroken("dropped", UpstreamError.failed(pool, member, e)) from None
+    pool.failed(member, "truncated")
     message = f"{pool.name} server {member.url} ended the stream without [DONE]"
-    raise UpstreamError(502, error_body(message, 502, "BadGatewayError"))
+    raise LegBroken("truncated", UpstreamError(502, error_body(message, 502, "BadGatewayError")))
+
+
+def _raise_if_member_failed(stream: OpenStream, chunk: dict[str, Any]) -> None:
+    """An error event with a 5xx code: the member failed the request (it is draining, its engine or a KV
+    pull failed), so another member may serve it; a 4xx is about the request and goes to the client."""
+    code = chunk["error"].get("code") if isinstance(chunk["error"], dict) else None
+    if isinstance(code, int) and code >= 500:
+        stream.pool.failed(stream.member, "error_event")
+        raise LegBroken("error_event", UpstreamError(code, chunk))
+
+
+def _explained(error: UpstreamError, why: str) -> UpstreamError:
+    """``error`` with ``why`` added to its message."""
+    body = dict(error.body)
+    if isinstance(body.get("error"), dict):
+        body["error"] = {**body["error"], "message": f"{body['error'].get('message')} ({why})"}
+    return UpstreamError(error.status, body, error.headers)

@@ -40,6 +40,13 @@ class ProxyMetrics:
             ["pool", "url", "cause"], registry=self.registry,
         )
 
+        self.migrations = Counter(
+            "pdserve_proxy_migrations", "Decode legs that broke mid-stream, by cause (dropped, stalled, truncated, "
+            "garbage, error_event) and outcome: moved (the stream went on on another decode member), failed "
+            "(no member took it), not_moved (--migration-limit reached, or the stream cannot be resumed exactly)",
+            ["cause", "outcome"], registry=self.registry,
+        )
+
     def member_changed(self, pool: Pool, member: Member) -> None:
         self.member_healthy.labels(pool.name, member.url).set(1 if member.healthy else 0)
         self.member_in_flight.labels(pool.name, member.url).set(member.in_flight)

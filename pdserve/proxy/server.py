@@ -12,7 +12,7 @@ import httpx
 import uvicorn
 
 from pdserve.proxy.app import HealthSettings, create_app, make_client
-from pdserve.proxy.flow import Orchestrator, decode_modes
+from pdserve.proxy.flow import MigrationSettings, Orchestrator, decode_modes
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.modes import Mode
 from pdserve.proxy.pool import ADMIT_TIMEOUT_S, Admission, Member, Pool, check_pools
@@ -25,10 +25,17 @@ def _pool_line(pool: Pool) -> str:
     return ", ".join(f"{m.url} ({m.reason})" for m in pool.members)
 
 
+def _migration_line(settings: MigrationSettings) -> str:
+    if settings.limit == 0:
+        return "off"
+    return f"up to {settings.limit} move(s) per stream, a decode leg silent {settings.stall_timeout_s:g} s counts as hung"
+
+
 def ready_banner(orch: Orchestrator, url: str) -> str:
     """Where it listens, the mode, and each pool with its members' health at start."""
     lines = [f"pdserve proxy ready on {url}", f"  mode       {orch.mode}",
-             f"  routing    {orch.decode.routing}"]
+             f"  routing    {orch.decode.routing}",
+             f"  migration  {_migration_line(orch.migration)}"]
     lines += [f"  {pool.name:<10} {_pool_line(pool)}" for pool in orch.pools]
     lines.append(f"  routes     {ROUTES}")
     return "\n".join(lines)
@@ -74,7 +81,8 @@ def build_orchestrator(args: argparse.Namespace) -> Orchestrator:
 
     client = make_client(args.connect_timeout_s, args.upstream_timeout_s)
     return Orchestrator(client, pool("render", args.render), pool("prefill", args.prefill),
-                        pool("decode", args.decode, decode_admission(args.mode)), args.mode, metrics)
+                        pool("decode", args.decode, decode_admission(args.mode)), args.mode, metrics,
+                        MigrationSettings(args.migration_limit, args.stall_timeout_s))
 
 
 async def _refusals_at_start(orch: Orchestrator, timeout_s: float) -> list[str]:

@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,10 +121,11 @@ async def send(
 
 async def open_stream(
     client: httpx.AsyncClient, pool: Pool, method: str, path: str, body: Any, headers: Mapping[str, str],
+    exclude: Collection[str] = (),
 ) -> OpenStream:
-    """Send to a member the pool picks; its 200 response, open (the caller closes it). Connect failures and
-    503s go to the next member; see the module docstring for the rest."""
-    tried: set[str] = set()
+    """Send to a member the pool picks (never one in ``exclude``); its 200 response, open (the caller
+    closes it). Connect failures and 503s go to the next member; see the module docstring for the rest."""
+    tried: set[str] = set(exclude)
     refused: UpstreamError | None = None
     while True:
         try:

@@ -75,6 +75,7 @@ def admit(
     rstate = RequestState(
         request_id, req.sampling_params.n, output_config(state, req, checked.chat_context, completions_cut)
     )
+    rstate.resume(req.prior_output_chunk_ids)
     return AdmittedRequest(req, ereq, rstate, checked.chat_context)
 
 

@@ -78,6 +78,7 @@ def engine_request(
         priority=req.priority,
         extra_args=sp.extra_args,
         stream_interval=stream_interval,
+        prior_output_tokens=req.prior_output_tokens,
     )
 
 
@@ -91,13 +92,13 @@ def output_config(
     parser_factory = None
     top_limit = None
     if req.derenders:
-        parser_factory = make_parser_factory(state, context, req.token_ids)
+        parser_factory = make_parser_factory(state, context, req.prompt_ids)
         top_limit = chat_top_limit(sp.logprobs)
     elif completions_cut:
         top_limit = completion_top_limit(sp.logprobs)
     return OutputConfig(
         mode=req.output_mode,
-        prompt_token_ids=req.token_ids,
+        prompt_token_ids=req.prompt_ids,
         tokenizer=state.tokenizer,
         skip_special_tokens=bool(skip_special_tokens(sp.skip_special_tokens, parser_factory is not None)),
         # The engine's EOS ids, so a stop on EOS is told from any other "stop" the same way derender does.

@@ -14,7 +14,8 @@ no effect. Scripts are token ids
 (:class:`~pdserve.engine.spec.TokenScript`; the serve layer reads and encodes the JSONL file),
 chosen round-robin per request unless ``sampling_params.extra_args.script_index``
 picks one. A script may set ``fail_after`` to make the engine raise :class:`EngineError`
-for its request after N tokens (for error-path tests).
+for its request after N tokens (for error-path tests). A resumed stream (``prior_output_tokens``)
+continues its script after the ids it already produced, as a model continues its text.
 
 :class:`ScriptedCore` holds the replay state behind the step-loop contract, so the one engine loop
 (:mod:`pdserve.engine.core_server`) drives it like any step loop, a step every ``step_ms``: in the
@@ -162,7 +163,10 @@ class ScriptedCore:
         script = self._scripts[int(chosen) % len(self._scripts)]
         seed = sampling.seed if sampling.seed is not None else 0
         allowed = None if sampling.allowed_token_ids is None else frozenset(sampling.allowed_token_ids)
-        seqs = [_Sequence(i, script.token_ids, random.Random(seed + i), allowed=allowed) for i in range(sampling.n)]
+        # A resumed stream continues the script where its prior output left it.
+        start = min(request.prior_output_tokens, len(script.token_ids))
+        seqs = [_Sequence(i, script.token_ids, random.Random(seed + i), cursor=start, allowed=allowed)
+                for i in range(sampling.n)]
         self._live[request.request_id] = ReplayingRequest(
             request, script, seqs, self.info.max_model_len - len(request.prompt_token_ids)
         )

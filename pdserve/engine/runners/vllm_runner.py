@@ -86,6 +86,13 @@ def sampling_params(sampling: SequenceSampling, request: EngineRequest) -> Any:
             "bad_words is not supported with --engine vllm yet; use logit_bias or allowed_token_ids",
             param="sampling_params.bad_words",
         )
+    if request.prior_output_tokens and (sampling.presence_penalty or sampling.frequency_penalty):
+        # vLLM counts every prompt id as prompt: a resumed stream's prior output would go unpenalized.
+        raise RequestError(
+            "presence_penalty and frequency_penalty cannot resume a stream (prior_output_chunks) with --engine "
+            "vllm: vLLM would count the prior output as prompt; send them 0 or resume on a torch engine",
+            param="prior_output_chunks",
+        )
     extra_args = dict(request.extra_args or {})
     if request.kv_transfer_params is not None:
         extra_args["kv_transfer_params"] = request.kv_transfer_params

@@ -33,7 +33,7 @@ async def generate(request: Request) -> Response:
     opts = req.stream_options
     surface = generate_surface(req.output_mode)(
         request_id, state.model_name, want_logprobs=rstate.config.want_logprobs,
-        prompt_token_ids=req.token_ids if req.return_token_ids else None,
+        prompt_token_ids=req.prompt_ids if req.return_token_ids else None,
         include_usage=bool(opts and opts.include_usage), continuous_usage=bool(opts and opts.continuous_usage_stats),
         tokenizer=state.tokenizer,
     )

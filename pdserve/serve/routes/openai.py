@@ -22,8 +22,9 @@ coupled_router = APIRouter()
 
 def rendered_json(req: GenerateRequest) -> dict[str, Any]:
     """A GenerateRequest as vLLM 0.33's /render returns it: every top-level key (nulls included) and
-    sampling_params as vLLM serializes them, so either server's render feeds either server's generate."""
-    body = req.model_dump(mode="json", exclude={"chat_request"})
+    sampling_params as vLLM serializes them, so either server's render feeds either server's generate.
+    pdserve's own request-side fields (``chat_request``, ``prior_output_chunks``) are not rendered."""
+    body = req.model_dump(mode="json", exclude={"chat_request", "prior_output_chunks"})
     body["sampling_params"] = req.sampling_params.vllm_json()
     return body
 

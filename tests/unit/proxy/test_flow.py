@@ -39,9 +39,12 @@ class Upstreams:
     with ``Retry-After: 3``, as a draining or overloaded server does)."""
 
     def __init__(self, decode_stream: bytes, refused: set[str] = frozenset(),  # type: ignore[assignment]
-                 busy: set[str] = frozenset()):  # type: ignore[assignment]
+                 busy: set[str] = frozenset(), streams: dict[str, bytes] | None = None,  # type: ignore[assignment]
+                 rendered: dict[str, Any] = RENDERED):
         self.seen: list[tuple[str, dict[str, str], Any]] = []
         self.decode_stream = decode_stream
+        self.streams = streams or {}  # a decode host's own stream, else decode_stream
+        self.rendered = rendered
         self.refused = refused
         self.busy = busy
 
@@ -56,10 +59,11 @@ class Upstreams:
         body = json.loads(request.content) if request.content else None
         self.seen.append((host, dict(request.headers), body))
         if request.url.path.endswith("/render"):
-            return httpx.Response(200, json=RENDERED)
+            return httpx.Response(200, json=self.rendered)
         if host == "prefill":
             return httpx.Response(200, json={"request_id": "x", "choices": [], "kv_transfer_params": KV})
-        return httpx.Response(200, content=self.decode_stream, headers={"content-type": "text/event-stream"})
+        stream = self.streams.get(host, self.decode_stream)
+        return httpx.Response(200, content=stream, headers={"content-type": "text/event-stream"})
 
 
 # A seed whose first draw of two members is the first member: the pool tries the members in their order.
@@ -126,9 +130,53 @@ def test_tool_call_deltas_and_usage_are_relayed() -> None:
 
 
 def test_an_upstream_error_event_is_relayed_then_done() -> None:
+    """A 5xx error event of a stream that cannot move (RENDERED has stop strings) says why it did not."""
     error = {"error": {"message": "engine error: boom", "type": "InternalServerError", "param": None, "code": 500}}
-    events = payloads(run(Upstreams(sse(chunk(delta={"content": "a"}), error)))[0])
-    assert events[-1] == error and len(events) == 3
+    events = payloads(run(Upstreams(sse(chunk(delta={"content": "a"}, token_ids=[7]), error)))[0])
+    assert len(events) == 3 and events[-1]["error"]["code"] == 500
+    assert events[-1]["error"]["message"] == ("engine error: boom (not moved to another decode member: it cannot be "
+                                              "resumed exactly: stop strings (the text sent runs ahead of the ids sent))")
+
+
+def test_a_4xx_error_event_is_about_the_request_and_relayed_as_it_is() -> None:
+    error = {"error": {"message": "no", "type": "BadRequestError", "param": "x", "code": 400}}
+    events = payloads(run(Upstreams(b"", streams={"d0": sse(error)}, rendered=RESUMABLE), ("d0", "d1"))[0])
+    assert events[-1] == error
+
+
+RESUMABLE = RENDERED | {"sampling_params": {"max_tokens": 5, "min_tokens": 2, "logprobs": 1, "prompt_logprobs": 1}}
+
+
+def test_a_broken_decode_leg_moves_to_another_member_with_the_output_so_far() -> None:
+    metrics = ProxyMetrics()
+    first = sse(chunk(delta={"role": "assistant", "content": "a"}, token_ids=[7]),
+                chunk(delta={"content": "bc"}, token_ids=[8, 9]), done=False)
+    rest = sse(chunk(delta={"content": "d"}, token_ids=[10], finish_reason="length"))
+    upstreams = Upstreams(b"", streams={"d0": first, "d1": rest}, rendered=RESUMABLE)
+    events = payloads(run(upstreams, ("d0", "d1"), metrics)[0])
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == "abcd"
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    host, _, body = upstreams.seen[-1]
+    assert host == "d1" and body["token_ids"] == [1, 2, 3, 7, 8, 9] and body["prior_output_chunks"] == [1, 2]
+    assert body["kv_transfer_params"] is None and body["output_mode"] == "derender"
+    assert body["sampling_params"] == {"max_tokens": 2, "min_tokens": 0, "logprobs": 1, "prompt_logprobs": None}
+    assert metrics.registry.get_sample_value(
+        "pdserve_proxy_migrations_total", {"cause": "truncated", "outcome": "moved"}) == 1
+
+
+def test_a_stream_moves_at_most_migration_limit_times() -> None:
+    broken = sse(chunk(delta={"content": "a"}, token_ids=[7]), done=False)
+    upstreams = Upstreams(b"", streams={"d0": broken, "d1": broken}, rendered=RESUMABLE)
+    events = payloads(run(upstreams, ("d0", "d1"))[0])
+    message = events[-1]["error"]["message"]
+    assert "http://d1 ended the stream without [DONE]" in message and "--migration-limit 1" in message
+
+
+def test_with_no_other_member_the_error_says_the_move_failed() -> None:
+    upstreams = Upstreams(b"", streams={"d0": sse(chunk(delta={"content": "a"}, token_ids=[7]), done=False)},
+                          rendered=RESUMABLE)
+    message = payloads(run(upstreams, ("d0",))[0])[-1]["error"]["message"]
+    assert "ended the stream without [DONE]" in message and "moving it to another decode member failed" in message
 
 
 def test_a_stream_that_breaks_off_is_an_error_event_naming_the_member() -> None:

@@ -1,0 +1,204 @@
+"""Decode-leg migration through ``pdserve proxy`` on loopback: a decode member killed (SIGKILL) or hung
+(SIGSTOP) mid-stream, and the client's stream goes on on the other decode member, assembled equal to the
+uninterrupted answer, for decode legs in ``derender`` (chat, reasoning and tool parsers on), ``text``
+(completions) and ``tokens`` (chat through ``--mode derender-tier``).
+
+qwen3-tiny on the torch engine, float32, with the KV hand-off on (as tests/e2e/test_proxy.py). The resumed
+leg prefills the prompt plus the ids already sent, where the first leg decoded them one step at a time; in
+float32 the greedy continuation is the same (60 cuts of 200-token answers agreed, measured when this was
+written). That the parser state survives the move exactly, reasoning and tool calls included, is
+property-tested in tests/unit/output/test_resume.py; the real-model path across hosts is tests/fleet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from pdserve.checkpoints.resolve import resolve_model
+from tests.serverproc import ServerProcess
+from tests.sse import parse_sse
+from tests.waiting import wait_metric, wait_until
+
+MODEL = "qwen3-tiny"
+PARSERS = ("--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice")
+ENGINE = (MODEL, "--kv-transfer", "nixl", "--dtype", "float32")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}, "return_token_ids": True}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER]} | LONG
+COMPLETION = {"model": MODEL, "prompt": "Tell me about Paris."} | LONG
+# (proxy mode, path, body): the decode legs run derender, text and tokens.
+LEGS = {
+    "derender": ("inline", "/v1/chat/completions", CHAT),
+    "text": ("inline", "/v1/completions", COMPLETION),
+    "tokens": ("derender-tier", "/v1/chat/completions", CHAT),
+}
+
+
+def _proxy(fleet: dict[str, Any], mode: str, *extra: str) -> ServerProcess:
+    return ServerProcess("proxy", "--render", fleet["render"].url, "--prefill", fleet["prefill"].url,
+                         "--decode", ",".join(d.url for d in fleet["decodes"]), "--mode", mode,
+                         "--health-interval-s", "0.2", "--stall-timeout-s", "1.5", *extra)
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[dict[str, Any]]:
+    started: list[ServerProcess] = []
+
+    def start(*servers: ServerProcess) -> list[ServerProcess]:
+        started.extend(servers)
+        for server in servers:
+            server.spawn()
+        for server in servers:
+            server.wait_healthy(120)
+        return list(servers)
+
+    try:
+        render, prefill, *decodes = start(
+            ServerProcess("launch", "render", "--tokenizer", str(resolve_model(MODEL)), *PARSERS),
+            ServerProcess("serve", *ENGINE, "--tokens-only"),
+            ServerProcess("serve", *ENGINE, *PARSERS), ServerProcess("serve", *ENGINE, *PARSERS),
+        )
+        fleet = {"render": render, "prefill": prefill, "decodes": decodes}
+        fleet["inline"], fleet["derender-tier"] = start(_proxy(fleet, "inline"), _proxy(fleet, "derender-tier"))
+        yield fleet
+    finally:
+        for server in reversed(started):
+            server.stop()
+
+
+def _assembled(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a client makes of a stream: text, reasoning, tool calls (names and arguments), finish, usage."""
+    out: dict[str, Any] = {"text": "", "reasoning": "", "content": "", "tools": {}, "finish": None, "usage": None,
+                           "ids": []}
+    for event in events:
+        assert "error" not in event, event
+        if event.get("usage"):
+            out["usage"] = event["usage"]
+        for choice in event.get("choices", []):
+            out["finish"] = choice.get("finish_reason") or out["finish"]
+            out["text"] += choice.get("text") or ""
+            out["ids"] += choice.get("token_ids") or []
+            delta = choice.get("delta") or {}
+            out["reasoning"] += delta.get("reasoning") or delta.get("reasoning_content") or ""
+            out["content"] += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                tool = out["tools"].setdefault(call["index"], {"name": "", "arguments": "", "ids": 0})
+                function = call.get("function") or {}
+                tool["name"] += function.get("name") or ""
+                tool["arguments"] += function.get("arguments") or ""
+                tool["ids"] += 1 if call.get("id") else 0
+    return out
+
+
+def _serving(decodes: list[ServerProcess]) -> ServerProcess:
+    running = wait_until(lambda: [d for d in decodes if d.metric("pdserve_running_requests") == 1],
+                         "a decode server runs the request")
+    assert len(running) == 1
+    return running[0]
+
+
+def _stream(url: str, body: dict[str, Any], fault: Any = None) -> list[dict[str, Any]]:
+    """The stream's events; ``fault(decode)`` runs once the first content arrived."""
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = r.iter_lines()
+        head: list[str] = []
+        if fault is not None:
+            for line in lines:
+                head.append(line)
+                if line.startswith("data: {") and _carries_output(line):
+                    break
+            fault()
+        events, done = parse_sse(head + list(lines))
+    assert done
+    return events
+
+
+def _carries_output(line: str) -> bool:
+    event = json.loads(line[len("data: "):])
+    return any(c.get("text") or c.get("token_ids") for c in event.get("choices") or [])
+
+
+def _migrations(proxy: ServerProcess, cause: str, outcome: str = "moved") -> float:
+    return proxy.metric(f'pdserve_proxy_migrations_total{{cause="{cause}",outcome="{outcome}"}}', missing=0)
+
+
+def _restore(proxy: ServerProcess, member: ServerProcess, sig: signal.Signals) -> None:
+    if sig == signal.SIGSTOP:
+        os.kill(member.pid, signal.SIGCONT)
+    else:
+        assert member.proc is not None
+        member.proc.wait()
+        member.spawn()
+        member.wait_healthy(60)
+    wait_metric(member, "pdserve_running_requests", 0)
+    wait_metric(proxy, f'pdserve_proxy_member_healthy{{pool="decode",url="{member.url}"}}', 1)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+@pytest.mark.parametrize("leg", list(LEGS))
+def test_a_broken_decode_leg_moves_and_the_answer_is_whole(fleet: dict[str, Any], leg: str, sig: signal.Signals) -> None:
+    mode, path, body = LEGS[leg]
+    proxy, decodes = fleet[mode], fleet["decodes"]
+    want = _assembled(_stream(proxy.url + path, body))
+    assert want["usage"]["completion_tokens"] == 400 and len(want["ids"]) == 400
+    cause = "dropped" if sig == signal.SIGKILL else "stalled"
+    moved = _migrations(proxy, cause)
+    broken: list[ServerProcess] = []
+
+    def fault() -> None:
+        broken.append(_serving(decodes))
+        os.kill(broken[0].pid, sig)
+
+    got = _assembled(_stream(proxy.url + path, body, fault))
+    try:
+        assert got == want
+        assert _migrations(proxy, cause) == moved + 1
+    finally:
+        _restore(proxy, broken[0], sig)
+    wait_metric(proxy, "pdserve_proxy_running_requests", 0)
+    for member in decodes:
+        wait_metric(member, "pdserve_running_requests", 0)
+
+
+def test_with_migration_off_the_client_gets_an_error_naming_the_member(fleet: dict[str, Any]) -> None:
+    """``--migration-limit 0``: the stream ends with an error event naming the failed member, then [DONE]."""
+    decodes = fleet["decodes"]
+    with _proxy(fleet, "inline", "--migration-limit", "0") as proxy:
+        broken: list[ServerProcess] = []
+
+        def fault() -> None:
+            broken.append(_serving(decodes))
+            os.kill(broken[0].pid, signal.SIGKILL)
+
+        events = _stream(proxy.url + "/v1/chat/completions", CHAT, fault)
+        try:
+            message = events[-1]["error"]["message"]
+            assert broken[0].url in message and "--migration-limit 0" in message, message
+            assert _migrations(proxy, "dropped", "not_moved") == 1
+        finally:
+            _restore(proxy, broken[0], signal.SIGKILL)
+
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"stream": False}, "stream=true"),
+    ({"prior_output_chunks": [9]}, "leaves no prompt"),
+    ({"prior_output_chunks": [0, 1]}, "prior_output_chunks"),
+    ({"sampling_params": {"n": 2, "max_tokens": 3}}, "n=1"),
+])
+def test_a_resume_the_server_cannot_honour_is_a_400_naming_it(fleet: dict[str, Any], fields: dict[str, Any],
+                                                               named: str) -> None:
+    body = {"token_ids": [1, 2, 3, 4], "prior_output_chunks": [1, 1], "stream": True,
+            "sampling_params": {"max_tokens": 3}, "output_mode": "text"} | fields
+    r = httpx.post(fleet["decodes"][0].url + "/inference/v1/generate", json=body, timeout=30)
+    assert r.status_code == 400 and named in r.json()["error"]["message"], r.text
