@@ -104,10 +104,16 @@ def create_app(orch: Orchestrator, health: HealthSettings = HealthSettings(), ap
             return await call_next(request)
 
     def count(kind: Kind, status: int) -> None:
+        orch.in_flight -= 1
         metrics.running.dec()
         metrics.requests.labels(kind, orch.mode, str(status)).inc()
 
     async def handle(request: Request, kind: Kind) -> Response:
+        if orch.draining:
+            body = error_body("the proxy is shutting down; send the request to another proxy", 503,
+                              "ServiceUnavailableError")
+            return JSONResponse(body, status_code=503, headers={"retry-after": "1", "connection": "close"})
+        orch.in_flight += 1
         metrics.running.inc()
         try:
             response = await answer(request, kind)
@@ -167,6 +173,8 @@ def create_app(orch: Orchestrator, health: HealthSettings = HealthSettings(), ap
 
     @app.get("/health")
     async def health_route() -> Response:
+        if orch.draining:
+            return JSONResponse(error_body("the proxy is shutting down", 503, "ServiceUnavailableError"), status_code=503)
         down = [p.unavailable_message() for p in orch.pools if not p.any_healthy]
         if down:
             return JSONResponse(error_body("; ".join(down), 503, "ServiceUnavailableError"), status_code=503)

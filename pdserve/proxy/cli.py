@@ -23,6 +23,13 @@ def _positive(value: str) -> float:
     return number
 
 
+def _non_negative(value: str) -> float:
+    number = float(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value!r}")
+    return number
+
+
 def _count(value: str) -> int:
     number = int(value)
     if number < 0:
@@ -55,6 +62,9 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-timeout-s", type=_positive, default=30.0,
                    help="silence between a decode stream's chunks after which its member counts as hung (the "
                    "stream then migrates; the first chunk is bounded by --upstream-timeout-s)")
+    p.add_argument("--shutdown-timeout", type=_non_negative, default=30.0,
+                   help="on SIGTERM: seconds requests in flight get to finish; streams still open then end with an "
+                   "error event naming the shutdown")
     p.add_argument("--timeout-keep-alive", type=_positive, default=SERVER_KEEP_ALIVE_S,
                    help="seconds an idle client connection stays open (above the clients' idle expiry: "
                    "httpx and the openai SDK keep 5 s)")

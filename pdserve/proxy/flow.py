@@ -117,6 +117,18 @@ class Orchestrator:
         self.mode = mode
         self.metrics = metrics
         self.migration = migration
+        self.in_flight = 0  # client requests being answered (streams until they close)
+        self.draining = False  # shutting down: new requests get 503
+        self._streams: set[OpenStream] = set()  # decode streams being relayed
+        self._cut_reason: str | None = None
+
+    async def cut_streams(self, reason: str) -> None:
+        """End every stream still relayed with an error event naming ``reason`` (the proxy is going away
+        and its drain time is up); the decode legs close, which aborts them on their members."""
+        self._cut_reason = reason
+        for stream in list(self._streams):
+            stream.cut_by_proxy = True
+            await stream.aclose()
 
     @property
     def pools(self) -> tuple[Pool, Pool, Pool]:
@@ -201,6 +213,7 @@ class Orchestrator:
         surface = self._surface(p, model)
         convert = self._converter(p, surface)
         resumption = Resumption(p.rendered, decode_mode(self.mode, p.kind), self.migration.limit)
+        self._streams.add(stream)
         try:
             for chunk in surface.opening():
                 yield sse_event(chunk)
@@ -222,10 +235,15 @@ class Orchestrator:
                             yield sse_event(out)
                     break
                 except LegBroken as broken:
+                    self._streams.discard(stream)
+                    if stream.cut_by_proxy:
+                        raise UpstreamError(503, error_body(str(self._cut_reason), 503, "ServiceUnavailableError")) from None
                     stream = await self._migrate(p, stream, resumption, broken)
+                    self._streams.add(stream)
         except UpstreamError as e:
             yield sse_event(e.body)
         finally:
+            self._streams.discard(stream)
             await stream.aclose()
             self.metrics.leg_seconds.labels("decode").observe(time.perf_counter() - start)
         yield DONE
@@ -301,7 +319,9 @@ async def _generate_chunks(stream: OpenStream, stall_timeout_s: float) -> AsyncI
                 message = f"{pool.name} server {member.url} sent an event that is not JSON: {payload[:200]!r}"
                 raise LegBroken("garbage", UpstreamError(502, error_body(message, 502, "BadGatewayError"))) from None
             yield event
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, httpx.StreamError) as e:
+        if stream.cut_by_proxy:
+            raise LegBroken("cut", UpstreamError.failed(pool, member, e)) from None
         pool.mark_down(member, f"dropped a stream ({type(e).__name__})")
         pool.failed(member, "dropped")
         raise LegBroken("dropped", UpstreamError.failed(pool, member, e)) from None

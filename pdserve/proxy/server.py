@@ -6,7 +6,9 @@ import argparse
 import asyncio
 import socket
 import sys
+import time
 from collections.abc import Sequence
+from types import FrameType
 
 import httpx
 import uvicorn
@@ -42,16 +44,45 @@ def ready_banner(orch: Orchestrator, url: str) -> str:
 
 
 class _AnnouncingServer(uvicorn.Server):
-    """uvicorn that prints the banner once it accepts connections (after the first health check)."""
+    """uvicorn that prints the banner once it accepts connections (after the first health check), and
+    drains on the first SIGTERM/SIGINT: ``/health`` and new requests answer 503 at once, requests in flight
+    get ``--shutdown-timeout`` seconds, streams still open then end with an error event naming the
+    shutdown (their decode legs are closed, so their members abort them); a second signal stops at once."""
 
-    def __init__(self, config: uvicorn.Config, orch: Orchestrator, url: str):
+    def __init__(self, config: uvicorn.Config, orch: Orchestrator, url: str, shutdown_timeout_s: float):
         super().__init__(config)
         self._orch, self._url = orch, url
+        self._shutdown_timeout_s = shutdown_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
         if not self.should_exit:
             print(ready_banner(self._orch, self._url), file=sys.stderr, flush=True)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._orch.draining or self.should_exit or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self._captured_signals.append(sig)
+        self._orch.draining = True
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        orch = self._orch
+        print(f"pdserve proxy: shutting down: refusing new requests; {orch.in_flight} in flight get "
+              f"{self._shutdown_timeout_s:g} s to finish", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + self._shutdown_timeout_s
+        try:
+            while orch.in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await orch.cut_streams(f"the proxy is shutting down and its --shutdown-timeout "
+                                   f"({self._shutdown_timeout_s:g} s) passed; send the request again to another proxy")
+            while orch.in_flight and time.monotonic() < deadline + 5:  # the cut streams write their last events
+                await asyncio.sleep(0.05)
+        finally:
+            self.should_exit = True
 
 
 def decode_admission(mode: Mode) -> Admission:
@@ -104,5 +135,5 @@ def serve_proxy(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop="uvloop",
                             http="httptools", timeout_graceful_shutdown=5,
                             timeout_keep_alive=args.timeout_keep_alive)
-    _AnnouncingServer(config, orch, f"http://{host}:{args.port}").run()
+    _AnnouncingServer(config, orch, f"http://{host}:{args.port}", args.shutdown_timeout).run()
     return 0

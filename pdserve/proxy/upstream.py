@@ -83,7 +83,7 @@ def retry_after_s(headers: httpx.Headers) -> float:
     return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
 
 
-@dataclass
+@dataclass(eq=False)
 class OpenStream:
     """A member's streamed 200: the member counts it in flight until :meth:`aclose` (which may run twice)."""
 
@@ -91,6 +91,8 @@ class OpenStream:
     member: Member
     response: httpx.Response
     _closed: bool = field(default=False, repr=False)
+    # Set when the proxy itself cut the stream (it is shutting down): the member did nothing wrong.
+    cut_by_proxy: bool = field(default=False, repr=False)
 
     async def aclose(self) -> None:
         try:

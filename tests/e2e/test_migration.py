@@ -202,3 +202,26 @@ def test_a_resume_the_server_cannot_honour_is_a_400_naming_it(fleet: dict[str, A
             "sampling_params": {"max_tokens": 3}, "output_mode": "text"} | fields
     r = httpx.post(fleet["decodes"][0].url + "/inference/v1/generate", json=body, timeout=30)
     assert r.status_code == 400 and named in r.json()["error"]["message"], r.text
+
+
+def test_a_proxy_told_to_stop_drains_then_ends_open_streams_naming_it(fleet: dict[str, Any]) -> None:
+    """SIGTERM: /health and new requests answer 503 at once; a stream still open after --shutdown-timeout
+    ends with an error event naming the shutdown, then [DONE]; its decode leg is aborted; the proxy exits."""
+    with _proxy(fleet, "inline", "--shutdown-timeout", "1") as proxy:
+        long = CHAT | {"max_tokens": 3000}  # some 10 s of tokens: still running when the drain time is up
+        with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=long, timeout=60) as r:
+            assert r.status_code == 200, r.read()
+            lines = r.iter_lines()
+            head = [next(line for line in lines if line.startswith("data: {") and _carries_output(line))]
+            _serving(fleet["decodes"])
+            os.kill(proxy.pid, signal.SIGTERM)
+            wait_until(lambda: httpx.get(proxy.url + "/health", timeout=5).status_code == 503, "the proxy drains")
+            refused = httpx.post(proxy.url + "/v1/chat/completions", json=CHAT, timeout=10)
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            events, done = parse_sse(head + list(lines))
+        assert done and "the proxy is shutting down" in events[-1]["error"]["message"], events[-1]
+        assert events[-1]["error"]["code"] == 503
+        # uvicorn ends by re-raising the signal it caught (the exit status says SIGTERM), as pdserve serve does.
+        assert proxy.proc is not None and proxy.proc.wait(30) in (0, -signal.SIGTERM)
+        for member in fleet["decodes"]:
+            wait_metric(member, "pdserve_running_requests", 0)
