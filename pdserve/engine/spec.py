@@ -29,6 +29,7 @@ class KVTransferSpec(msgspec.Struct, frozen=True, kw_only=True):
     host: str  # where decode engines fetch this engine's /kv/metadata (its server's HTTP address)
     port: int
     lease_s: float = 30.0  # how long exported KV waits for its pull
+    pull_timeout_s: float = 30.0  # bound on one pull's READ (--kv-pull-timeout-s)
     failure_policy: str = "fail"  # a failed pull: "fail" the request, or "recompute" the prompt here
     pool_tokens: int | None = None  # block pool size in token positions (None: max_num_seqs * max_model_len)
     block_size: int = 16

@@ -73,6 +73,9 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
         "5600); one per server on a host, and what this server's prefill params name as remote_port",
     )
     kv.add_argument("--kv-lease-s", type=float, default=30.0, help="how long a finished prefill's KV waits for its pull")
+    kv.add_argument("--kv-pull-timeout-s", type=float, default=30.0,
+                    help="bound on one KV pull's READ (a prefill host that went silent): past it the pull fails "
+                    "and --kv-load-failure-policy applies")
     kv.add_argument(
         "--kv-load-failure-policy", choices=KV_FAILURE_POLICIES, default="fail",
         help="a decode leg whose KV cannot be pulled: fail it (502 / error event), or recompute the prompt here",
@@ -96,6 +99,8 @@ def kv_transfer_spec(args: argparse.Namespace) -> KVTransferSpec | None:
         return None
     if args.kv_lease_s <= 0:
         raise ValueError("--kv-lease-s must be positive")
+    if args.kv_pull_timeout_s <= 0:
+        raise ValueError("--kv-pull-timeout-s must be positive")
     if args.kv_pool_tokens is not None and args.kv_pool_tokens < 1:
         raise ValueError("--kv-pool-tokens must be positive")
     port = args.kv_side_channel_port
@@ -109,6 +114,7 @@ def kv_transfer_spec(args: argparse.Namespace) -> KVTransferSpec | None:
         host=host,
         port=args.port,
         lease_s=args.kv_lease_s,
+        pull_timeout_s=args.kv_pull_timeout_s,
         failure_policy=args.kv_load_failure_policy,
         pool_tokens=args.kv_pool_tokens,
         api_key=args.api_key,

@@ -30,10 +30,6 @@ from pdserve.engine.models import KVCache
 from pdserve.engine.spec import KVTransferSpec
 from pdserve.protocol.kv import KVPull, KVStats, prefill_params
 
-# A READ still running after this long has failed (the peer hangs); its blocks stay reserved until
-# NIXL is done with them, so a late write can never land in blocks given to another request.
-READ_TIMEOUT_S = 30.0
-
 log = logging.getLogger(__name__)
 
 
@@ -212,10 +208,12 @@ class KVHandoff:
     def _check(self, request_id: str, p: _Pull, progress: PullProgress) -> None:
         state = self.transport.state(p.handle, p.pull.remote_engine_id)
         if state == "PROC":
-            if not p.abandoned and self._clock() - p.read_started > READ_TIMEOUT_S:
+            # A READ still running after --kv-pull-timeout-s has failed (the peer hangs); its blocks stay
+            # reserved until NIXL is done with them, so a late write never lands in another request's blocks.
+            if not p.abandoned and self._clock() - p.read_started > self.spec.pull_timeout_s:
                 p.abandoned = True
                 self._stats.pulls_failed += 1
-                progress.failed.append((request_id, f"the KV READ did not finish within {READ_TIMEOUT_S:.0f}s"))
+                progress.failed.append((request_id, f"the KV READ did not finish within {self.spec.pull_timeout_s:g}s (--kv-pull-timeout-s)"))
             return
         self.transport.release(p.handle)
         p.handle = None

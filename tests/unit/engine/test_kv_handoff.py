@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.engine.kv.handoff import READ_TIMEOUT_S, KVHandoff
+from pdserve.engine.kv.handoff import KVHandoff
 from pdserve.engine.kv.peers import PeerDirectory
 from pdserve.engine.kv.pool import KVBlockPool
 from pdserve.engine.kv.transport import TransferError
@@ -226,7 +226,7 @@ def test_a_hung_read_fails_but_keeps_its_blocks_until_nixl_lets_go() -> None:
     kv, transport, clock = handoff()
     kv.begin_pull("dec", pull(), 10)
     kv.advance()
-    clock.now += READ_TIMEOUT_S + 1
+    clock.now += SPEC.pull_timeout_s + 1
     assert kv.advance().failed[0][0] == "dec"
     assert kv.stats().free_blocks == 5  # a late write must not land in blocks given to someone else
     assert kv.advance().failed == []  # reported once
