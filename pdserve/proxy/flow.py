@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -134,10 +134,11 @@ class Orchestrator:
     def pools(self) -> tuple[Pool, Pool, Pool]:
         return self.render, self.prefill, self.decode
 
-    async def _timed(self, leg: str, pool: Pool, path: str, body: Any, headers: dict[str, str]) -> tuple[Member, Any]:
+    async def _timed(self, leg: str, pool: Pool, path: str, body: Any, headers: dict[str, str],
+                     exclude: Collection[str] = ()) -> tuple[Member, Any]:
         start = time.perf_counter()
         try:
-            return await post_json(self.client, pool, path, body, headers)
+            return await post_json(self.client, pool, path, body, headers, exclude)
         finally:
             self.metrics.leg_seconds.labels(leg).observe(time.perf_counter() - start)
 
@@ -160,8 +161,20 @@ class Orchestrator:
                     "send each prompt as its own request", "prompt",
                 )
             rendered = rendered[0]
-        _, prefilled = await self._timed("prefill", self.prefill, GENERATE, prefill_body(rendered), headers)
+        prefilled = await self._prefill(prefill_body(rendered), headers)
         return Prepared(kind, body, rendered, headers, prefilled.get("kv_transfer_params"))
+
+    async def _prefill(self, body: dict[str, Any], headers: dict[str, str]) -> Any:
+        """The prefill leg; sent once more, to another member, when its member fails mid-request (died): a
+        prefill's output is never shown, so running it twice is safe (the dead member's lease, if it made
+        one, expires with it)."""
+        try:
+            return (await self._timed("prefill", self.prefill, GENERATE, body, headers))[1]
+        except UpstreamError as e:
+            if e.failed_member is None:
+                raise
+            self.metrics.retries.labels("prefill").inc()
+            return (await self._timed("prefill", self.prefill, GENERATE, body, headers, exclude={e.failed_member}))[1]
 
     def _model(self, member: Member, p: Prepared) -> str:
         return member.model or self.decode.model or p.body.get("model") or "pdserve"
@@ -198,9 +211,20 @@ class Orchestrator:
     # ------------------------------------------------------------ stream
 
     async def open_stream(self, p: Prepared) -> OpenStream:
-        """Start the decode leg's stream (its status is known before the client's response starts)."""
-        body = decode_body(p.rendered, decode_mode(self.mode, p.kind), p.kv_transfer_params)
-        return await open_stream(self.client, self.decode, "POST", GENERATE, body, p.headers)
+        """Start the decode leg's stream (its status is known before the client's response starts). A member
+        that dies before the stream's first byte leaves the client with nothing yet, so the leg goes once more
+        to another decode member (which prefills the prompt itself: the KV's lease was that leg's), unless
+        migration is off."""
+        mode = decode_mode(self.mode, p.kind)
+        body = decode_body(p.rendered, mode, p.kv_transfer_params)
+        try:
+            return await open_stream(self.client, self.decode, "POST", GENERATE, body, p.headers)
+        except UpstreamError as e:
+            if e.failed_member is None or self.migration.limit <= 0:
+                raise
+            self.metrics.retries.labels("decode").inc()
+            return await open_stream(self.client, self.decode, "POST", GENERATE, decode_body(p.rendered, mode, None),
+                                     p.headers, exclude={e.failed_member})
 
     async def events(self, p: Prepared, stream: OpenStream) -> AsyncIterator[str]:
         """The client's SSE events from an open decode stream; always ends with ``[DONE]``.

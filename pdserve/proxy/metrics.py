@@ -47,6 +47,12 @@ class ProxyMetrics:
             ["cause", "outcome"], registry=self.registry,
         )
 
+        self.retries = Counter(
+            "pdserve_proxy_retries", "Legs sent again to another member after theirs failed mid-request: prefill "
+            "legs (their output is never shown, so a second run is safe) and decode streams that broke before their "
+            "first byte", ["leg"], registry=self.registry,
+        )
+
     def member_changed(self, pool: Pool, member: Member) -> None:
         self.member_healthy.labels(pool.name, member.url).set(1 if member.healthy else 0)
         self.member_in_flight.labels(pool.name, member.url).set(member.in_flight)

@@ -37,11 +37,13 @@ class UpstreamError(Exception):
     """What the client gets instead of an answer: an HTTP status, an OpenAI error body, and the headers
     that go with it (``Retry-After`` on a 503)."""
 
-    def __init__(self, status: int, body: dict[str, Any], headers: Mapping[str, str] | None = None):
+    def __init__(self, status: int, body: dict[str, Any], headers: Mapping[str, str] | None = None,
+                 failed_member: str | None = None):
         super().__init__(body.get("error", {}).get("message", str(body)))
         self.status = status
         self.body = body
         self.headers = dict(headers or {})
+        self.failed_member = failed_member  # the URL of a member that failed mid-request
 
     @classmethod
     def unavailable(cls, e: PoolUnavailable) -> UpstreamError:
@@ -51,7 +53,7 @@ class UpstreamError(Exception):
     @classmethod
     def failed(cls, pool: Pool, member: Member, e: Exception) -> UpstreamError:
         message = f"{pool.name} server {member.url} failed mid-request: {type(e).__name__}: {e}"
-        return cls(502, error_body(message, 502, "BadGatewayError"))
+        return cls(502, error_body(message, 502, "BadGatewayError"), failed_member=member.url)
 
 
 def relayed_error(pool: Pool, member: Member, status: int, raw: bytes,
@@ -105,11 +107,11 @@ class OpenStream:
 
 async def send(
     client: httpx.AsyncClient, pool: Pool, method: str, path: str, body: Any, headers: Mapping[str, str],
+    exclude: Collection[str] = (),
 ) -> tuple[Member, httpx.Response]:
-    """Send to a member the pool picks and read its 200 answer; the member and the response.
-
-    Raises :class:`UpstreamError` for everything else (see the module docstring)."""
-    stream = await open_stream(client, pool, method, path, body, headers)
+    """Send to a member the pool picks (never one in ``exclude``) and read its 200 answer; the member and
+    the response. Raises :class:`UpstreamError` for everything else (see the module docstring)."""
+    stream = await open_stream(client, pool, method, path, body, headers, exclude)
     try:
         await stream.response.aread()
     except httpx.HTTPError as e:
@@ -170,10 +172,11 @@ async def open_stream(
 
 
 async def post_json(
-    client: httpx.AsyncClient, pool: Pool, path: str, body: Any, headers: Mapping[str, str]
+    client: httpx.AsyncClient, pool: Pool, path: str, body: Any, headers: Mapping[str, str],
+    exclude: Collection[str] = (),
 ) -> tuple[Member, Any]:
     """POST ``body`` and read the JSON answer (a body that is not JSON is the member's fault: 502)."""
-    member, response = await send(client, pool, "POST", path, body, headers)
+    member, response = await send(client, pool, "POST", path, body, headers, exclude)
     try:
         return member, response.json()
     except ValueError as e:

@@ -12,7 +12,6 @@ property-tested in tests/unit/output/test_resume.py; the real-model path across 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from collections.abc import Iterator
@@ -22,6 +21,8 @@ import httpx
 import pytest
 
 from pdserve.checkpoints.resolve import resolve_model
+from pdserve.topology.process import start_all, stop_all
+from tests.broken_streams import WEATHER, assembled, carries_output, stream
 from tests.serverproc import ServerProcess
 from tests.sse import parse_sse
 from tests.waiting import wait_metric, wait_until
@@ -29,8 +30,6 @@ from tests.waiting import wait_metric, wait_until
 MODEL = "qwen3-tiny"
 PARSERS = ("--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice")
 ENGINE = (MODEL, "--kv-transfer", "nixl", "--dtype", "float32")
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True,
         "stream_options": {"include_usage": True}, "return_token_ids": True}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER]} | LONG
@@ -51,52 +50,20 @@ def _proxy(fleet: dict[str, Any], mode: str, *extra: str) -> ServerProcess:
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[dict[str, Any]]:
-    started: list[ServerProcess] = []
-
-    def start(*servers: ServerProcess) -> list[ServerProcess]:
-        started.extend(servers)
-        for server in servers:
-            server.spawn()
-        for server in servers:
-            server.wait_healthy(120)
-        return list(servers)
-
+    servers = [ServerProcess("launch", "render", "--tokenizer", str(resolve_model(MODEL)), *PARSERS),
+               ServerProcess("serve", *ENGINE, "--tokens-only"),
+               ServerProcess("serve", *ENGINE, *PARSERS), ServerProcess("serve", *ENGINE, *PARSERS)]
+    render, prefill, *decodes = servers
+    fleet: dict[str, Any] = {"render": render, "prefill": prefill, "decodes": decodes}
     try:
-        render, prefill, *decodes = start(
-            ServerProcess("launch", "render", "--tokenizer", str(resolve_model(MODEL)), *PARSERS),
-            ServerProcess("serve", *ENGINE, "--tokens-only"),
-            ServerProcess("serve", *ENGINE, *PARSERS), ServerProcess("serve", *ENGINE, *PARSERS),
-        )
-        fleet = {"render": render, "prefill": prefill, "decodes": decodes}
-        fleet["inline"], fleet["derender-tier"] = start(_proxy(fleet, "inline"), _proxy(fleet, "derender-tier"))
+        start_all(servers)
+        proxies = [_proxy(fleet, "inline"), _proxy(fleet, "derender-tier")]  # the members' URLs are final now
+        servers += proxies
+        start_all(proxies)
+        fleet["inline"], fleet["derender-tier"] = proxies
         yield fleet
     finally:
-        for server in reversed(started):
-            server.stop()
-
-
-def _assembled(events: list[dict[str, Any]]) -> dict[str, Any]:
-    """What a client makes of a stream: text, reasoning, tool calls (names and arguments), finish, usage."""
-    out: dict[str, Any] = {"text": "", "reasoning": "", "content": "", "tools": {}, "finish": None, "usage": None,
-                           "ids": []}
-    for event in events:
-        assert "error" not in event, event
-        if event.get("usage"):
-            out["usage"] = event["usage"]
-        for choice in event.get("choices", []):
-            out["finish"] = choice.get("finish_reason") or out["finish"]
-            out["text"] += choice.get("text") or ""
-            out["ids"] += choice.get("token_ids") or []
-            delta = choice.get("delta") or {}
-            out["reasoning"] += delta.get("reasoning") or delta.get("reasoning_content") or ""
-            out["content"] += delta.get("content") or ""
-            for call in delta.get("tool_calls") or []:
-                tool = out["tools"].setdefault(call["index"], {"name": "", "arguments": "", "ids": 0})
-                function = call.get("function") or {}
-                tool["name"] += function.get("name") or ""
-                tool["arguments"] += function.get("arguments") or ""
-                tool["ids"] += 1 if call.get("id") else 0
-    return out
+        stop_all(servers)
 
 
 def _serving(decodes: list[ServerProcess]) -> ServerProcess:
@@ -104,28 +71,6 @@ def _serving(decodes: list[ServerProcess]) -> ServerProcess:
                          "a decode server runs the request")
     assert len(running) == 1
     return running[0]
-
-
-def _stream(url: str, body: dict[str, Any], fault: Any = None) -> list[dict[str, Any]]:
-    """The stream's events; ``fault(decode)`` runs once the first content arrived."""
-    with httpx.stream("POST", url, json=body, timeout=60) as r:
-        assert r.status_code == 200, r.read()
-        lines = r.iter_lines()
-        head: list[str] = []
-        if fault is not None:
-            for line in lines:
-                head.append(line)
-                if line.startswith("data: {") and _carries_output(line):
-                    break
-            fault()
-        events, done = parse_sse(head + list(lines))
-    assert done
-    return events
-
-
-def _carries_output(line: str) -> bool:
-    event = json.loads(line[len("data: "):])
-    return any(c.get("text") or c.get("token_ids") for c in event.get("choices") or [])
 
 
 def _migrations(proxy: ServerProcess, cause: str, outcome: str = "moved") -> float:
@@ -144,12 +89,13 @@ def _restore(proxy: ServerProcess, member: ServerProcess, sig: signal.Signals) -
     wait_metric(proxy, f'pdserve_proxy_member_healthy{{pool="decode",url="{member.url}"}}', 1)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
-@pytest.mark.parametrize("leg", list(LEGS))
+# One fault per leg here; every leg under both faults, across hosts: tests/fleet/test_faults.py (a), (b).
+@pytest.mark.parametrize("leg, sig", [("derender", signal.SIGKILL), ("text", signal.SIGSTOP), ("tokens", signal.SIGKILL)],
+                         ids=["derender-killed", "text-hung", "tokens-killed"])
 def test_a_broken_decode_leg_moves_and_the_answer_is_whole(fleet: dict[str, Any], leg: str, sig: signal.Signals) -> None:
     mode, path, body = LEGS[leg]
     proxy, decodes = fleet[mode], fleet["decodes"]
-    want = _assembled(_stream(proxy.url + path, body))
+    want = assembled(stream(proxy.url + path, body))
     assert want["usage"]["completion_tokens"] == 400 and len(want["ids"]) == 400
     cause = "dropped" if sig == signal.SIGKILL else "stalled"
     moved = _migrations(proxy, cause)
@@ -159,7 +105,7 @@ def test_a_broken_decode_leg_moves_and_the_answer_is_whole(fleet: dict[str, Any]
         broken.append(_serving(decodes))
         os.kill(broken[0].pid, sig)
 
-    got = _assembled(_stream(proxy.url + path, body, fault))
+    got = assembled(stream(proxy.url + path, body, fault))
     try:
         assert got == want
         assert _migrations(proxy, cause) == moved + 1
@@ -180,7 +126,7 @@ def test_with_migration_off_the_client_gets_an_error_naming_the_member(fleet: di
             broken.append(_serving(decodes))
             os.kill(broken[0].pid, signal.SIGKILL)
 
-        events = _stream(proxy.url + "/v1/chat/completions", CHAT, fault)
+        events = stream(proxy.url + "/v1/chat/completions", CHAT, fault)
         try:
             message = events[-1]["error"]["message"]
             assert broken[0].url in message and "--migration-limit 0" in message, message
@@ -212,7 +158,7 @@ def test_a_proxy_told_to_stop_drains_then_ends_open_streams_naming_it(fleet: dic
         with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=long, timeout=60) as r:
             assert r.status_code == 200, r.read()
             lines = r.iter_lines()
-            head = [next(line for line in lines if line.startswith("data: {") and _carries_output(line))]
+            head = [next(line for line in lines if line.startswith("data: {") and carries_output(line))]
             _serving(fleet["decodes"])
             os.kill(proxy.pid, signal.SIGTERM)
             wait_until(lambda: httpx.get(proxy.url + "/health", timeout=5).status_code == 503, "the proxy drains")

@@ -28,26 +28,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.fleet.hosts import MEMBER_PORT, FleetHosts, Host, HostMember, require_namespaces
-from tests.serverproc import metric_sum
-from tests.sse import parse_sse
+from tests.broken_streams import assembled, stream
+from tests.fleet.fleet import CHAT, COMPLETION, MODEL, PULL_TIMEOUT_S, STREAM, Fleet, metric, running_fleet
+from tests.fleet.hosts import MEMBER_PORT, HostMember
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(900)
 
-MODEL = "qwen3-tiny"
-LEASE_S = 10.0
-PULL_TIMEOUT_S = 5.0
-ENGINE = (MODEL, "--dtype", "float32", "--kv-transfer", "nixl", "--kv-lease-s", str(LEASE_S),
-          "--kv-pull-timeout-s", str(PULL_TIMEOUT_S))
-PARSERS = ("--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice")
-STALL_S = 2.0
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
-STREAM = {"max_tokens": 300, "ignore_eos": True, "temperature": 0, "stream": True,
-          "stream_options": {"include_usage": True}, "return_token_ids": True}
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER]} | STREAM
-COMPLETION = {"model": MODEL, "prompt": "Tell me about Paris."} | STREAM
 LEGS = {
     "derender": ("inline", "/v1/chat/completions", CHAT),
     "text": ("inline", "/v1/completions", COMPLETION),
@@ -66,105 +53,10 @@ def report(fault: str, leg: str, saw: str, recover_s: float, command: str) -> No
                                 "command": command}) + "\n")
 
 
-class Fleet:
-    """The members on their hosts, the proxies, and what a fault test needs to break and mend them."""
-
-    def __init__(self, hosts: FleetHosts):
-        p0, p1, d0, d1, front = hosts.hosts
-        self.front = front
-        self.prefills = [self._member(h, "prefill", "--tokens-only", "--kv-role", "prefill") for h in (p0, p1)]
-        self.decodes = [self._member(h, "decode", "--kv-role", "decode", *PARSERS) for h in (d0, d1)]
-        self.render = HostMember(front, "render", ["launch", "render", "--tokenizer", _model_dir(), *PARSERS])
-        self.proxies = {mode: self.proxy(mode, port=MEMBER_PORT + 1 + i)
-                        for i, mode in enumerate(("inline", "derender-tier"))}
-
-    @staticmethod
-    def _member(host: Host, name: str, *args: str) -> HostMember:
-        return HostMember(host, name, ["serve", *ENGINE, "--kv-host", host.address, *args])
-
-    def proxy(self, mode: str, port: int, *extra: str, decodes: list[str] | None = None) -> HostMember:
-        decode_urls = decodes or [d.url for d in self.decodes]
-        return HostMember(self.front, f"proxy-{mode}", [
-            "proxy", "--render", self.render.url, "--prefill", ",".join(p.url for p in self.prefills),
-            "--decode", ",".join(decode_urls), "--mode", mode, "--health-interval-s", "0.2",
-            "--stall-timeout-s", str(STALL_S), *extra], port=port)
-
-    @property
-    def members(self) -> list[HostMember]:
-        return [*self.prefills, *self.decodes, self.render]
-
-    def start(self) -> None:
-        for member in self.members:
-            member.spawn()
-        for member in self.members:
-            member.wait_healthy(300)
-        for proxy in self.proxies.values():
-            proxy.spawn()
-        for proxy in self.proxies.values():
-            proxy.wait_healthy(120)
-
-    def stop(self) -> None:
-        for member in [*self.proxies.values(), *self.members]:
-            member.stop()
-
-    def restart(self, member: HostMember) -> None:
-        """A member back after a fault (killed, stopped): the proxies see it healthy again."""
-        if member.proc is not None and member.proc.poll() is None:
-            os.kill(member.pid, signal.SIGCONT)
-        else:
-            member.spawn()
-        member.wait_healthy(300)
-        for proxy in self.proxies.values():
-            for pool in ("prefill", "decode", "render"):
-                name = f'pdserve_proxy_member_healthy{{pool="{pool}",url="{member.url}"}}'
-                if name in httpx.get(proxy.url + "/metrics", timeout=10).text:
-                    wait_until(lambda n=name, p=proxy: metric_sum(p.url, n) == 1, f"{member.url} back in rotation")
-
-    def serving(self) -> HostMember:
-        """The decode member that runs the one request in flight."""
-        running = wait_until(lambda: [d for d in self.decodes if _metric(d, "pdserve_running_requests") == 1],
-                             "a decode member runs the request")
-        assert len(running) == 1
-        return running[0]
-
-    def assert_nothing_leaked(self) -> float:
-        """Every member's running, held and lease gauges at 0 within one lease; the seconds it took."""
-        start = time.monotonic()
-        gauges = ("pdserve_running_requests", "pdserve_engine_running_requests", "pdserve_engine_waiting_requests",
-                  "pdserve_kv_held_requests", "pdserve_kv_held_blocks")
-        for member in [*self.prefills, *self.decodes]:
-            for gauge in gauges:
-                wait_until(lambda m=member, g=gauge: _metric(m, g) == 0, f"{gauge} of {member.url} at 0",
-                           bound_s=LEASE_S + 5)
-        for proxy in self.proxies.values():
-            wait_until(lambda p=proxy: _metric(p, "pdserve_proxy_running_requests") == 0, "the proxy idle")
-        return time.monotonic() - start
-
-
-def _metric(member: HostMember, name: str) -> float:
-    try:
-        return metric_sum(member.url, name)
-    except httpx.HTTPError:
-        return -1.0  # not answering (stopped, restarting): not 0
-
-
-def _model_dir() -> str:
-    from pdserve.checkpoints.resolve import resolve_model
-
-    return str(resolve_model(MODEL))
-
-
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
-    require_namespaces()
-    with FleetHosts(5) as hosts:
-        made = Fleet(hosts)
-        try:
-            made.start()
-            yield made
-        finally:
-            made.stop()
-    assert hosts.leftovers() == []
+    with running_fleet() as made:
+        yield made
 
 
 @pytest.fixture
@@ -175,57 +67,11 @@ def healthy(fleet: Fleet) -> Iterator[Fleet]:
         host.link_up()
         host.clear_link()
     for member in fleet.members:
-        if member.proc is None or member.proc.poll() is not None or _metric(member, "pdserve_running_requests") < 0:
+        if member.proc is None or member.proc.poll() is not None or metric(member, "pdserve_running_requests") < 0:
             fleet.restart(member)
 
 
 # ------------------------------------------------------------ streams
-
-
-def assembled(events: list[dict[str, Any]]) -> dict[str, Any]:
-    """What a client makes of a stream: text, reasoning, content, tool calls, ids, finish, usage."""
-    out: dict[str, Any] = {"text": "", "reasoning": "", "content": "", "tools": {}, "ids": [], "finish": None,
-                           "usage": None}
-    for event in events:
-        assert "error" not in event, event
-        out["usage"] = event.get("usage") or out["usage"]
-        for choice in event.get("choices", []):
-            out["finish"] = choice.get("finish_reason") or out["finish"]
-            out["text"] += choice.get("text") or ""
-            out["ids"] += choice.get("token_ids") or []
-            delta = choice.get("delta") or {}
-            out["reasoning"] += delta.get("reasoning") or delta.get("reasoning_content") or ""
-            out["content"] += delta.get("content") or ""
-            for call in delta.get("tool_calls") or []:
-                tool = out["tools"].setdefault(call["index"], {"name": "", "arguments": ""})
-                tool["name"] += (call.get("function") or {}).get("name") or ""
-                tool["arguments"] += (call.get("function") or {}).get("arguments") or ""
-    return out
-
-
-def _carries_output(line: str) -> bool:
-    event = json.loads(line[len("data: "):])
-    return any(c.get("text") or c.get("token_ids") for c in event.get("choices") or [])
-
-
-def stream(url: str, body: dict[str, Any], fault: Callable[[], None] | None = None, *, after_output: bool = True,
-           timeout: float = 120) -> list[dict[str, Any]]:
-    """A stream's events; ``fault()`` runs once output arrived (``after_output``) or once the stream opened."""
-    with httpx.stream("POST", url, json=body, timeout=timeout) as r:
-        if r.status_code != 200:
-            return [json.loads(r.read())]
-        lines = r.iter_lines()
-        head: list[str] = []
-        if fault is not None:
-            if after_output:
-                for line in lines:
-                    head.append(line)
-                    if line.startswith("data: {") and _carries_output(line):
-                        break
-            fault()
-        events, done = parse_sse(head + list(lines))
-    assert done, "the stream ended without [DONE]"
-    return events
 
 
 def migrations(fleet: Fleet, mode: str, cause: str) -> float:
@@ -279,7 +125,7 @@ def _during_the_pull(fleet: Fleet, prefill_fault: Callable[[HostMember], None]
 
     def fault() -> None:
         fleet.serving()
-        held = wait_until(lambda: [p for p in fleet.prefills if _metric(p, "pdserve_kv_held_requests") == 1],
+        held = wait_until(lambda: [p for p in fleet.prefills if metric(p, "pdserve_kv_held_requests") == 1],
                           "a prefill member holds the prompt's KV")
         hit.append(held[0])
         prefill_fault(held[0])
@@ -304,27 +150,33 @@ def _whole_or_named(fleet: Fleet, events: list[dict[str, Any]], want: dict[str, 
     return "the whole answer: the decode member failed the pull (an error event), the stream moved"
 
 
-def test_c_a_prefill_member_killed_before_the_pull_finished(healthy: Fleet) -> None:
+def _restart_now(prefill: HostMember) -> None:
+    prefill.stop(grace_s=0)
+    prefill.spawn()
+
+
+# What takes the KV's source away during the pull: the title of its row, and how.
+SOURCE_FAULTS: dict[str, tuple[str, Callable[[HostMember], None]]] = {
+    "c-killed": ("(c) prefill member killed after its answer, during the pull", lambda p: os.kill(p.pid, signal.SIGKILL)),
+    "d-link-down": ("(d) the prefill host's link down during a pull (--kv-pull-timeout-s 5)", lambda p: p.host.link_down()),
+    "f-restarted": ("(f) a prefill member restarted (new engine id) while its lease is held", _restart_now),
+}
+
+
+@pytest.mark.parametrize("fault", list(SOURCE_FAULTS))
+def test_the_kv_source_goes_away_during_the_pull(healthy: Fleet, fault: str) -> None:
+    """(c) the peer is gone, (d) it went silent until --kv-pull-timeout-s, (f) it runs a new engine whose
+    leases are not the old one's: the decode member fails the leg with an error event, the stream moves."""
+    title, hit_it = SOURCE_FAULTS[fault]
     want = assembled(stream(healthy.proxies["inline"].url + "/v1/completions", LONG_PROMPT))
     moved = migrations(healthy, "inline", "error_event")
-    events, took, hit = _during_the_pull(healthy, lambda p: os.kill(p.pid, signal.SIGKILL))
+    events, took, hit = _during_the_pull(healthy, hit_it)
     saw = _whole_or_named(healthy, events, want, moved)
+    if fault == "d-link-down":
+        assert took >= PULL_TIMEOUT_S
     healthy.restart(hit)
     healthy.assert_nothing_leaked()
-    report("(c) prefill member killed after its answer, during the pull", "text", saw, took,
-           "pytest tests/fleet/test_faults.py -k test_c_")
-
-
-def test_d_the_prefill_hosts_link_down_during_a_pull(healthy: Fleet) -> None:
-    """The pull hangs until --kv-pull-timeout-s (5 s here), then fails like (c)."""
-    want = assembled(stream(healthy.proxies["inline"].url + "/v1/completions", LONG_PROMPT))
-    moved = migrations(healthy, "inline", "error_event")
-    events, took, _ = _during_the_pull(healthy, lambda p: p.host.link_down())
-    saw = _whole_or_named(healthy, events, want, moved)
-    assert took >= PULL_TIMEOUT_S
-    healthy.assert_nothing_leaked()
-    report("(d) the prefill host's link down during a pull (--kv-pull-timeout-s 5)", "text", saw, took,
-           "pytest tests/fleet/test_faults.py -k test_d_")
+    report(title, "text", saw, took, f"pytest tests/fleet/test_faults.py -k {fault}")
 
 
 def test_e_a_slow_kv_link_slows_the_answer_and_changes_nothing_else(healthy: Fleet) -> None:
@@ -342,23 +194,6 @@ def test_e_a_slow_kv_link_slows_the_answer_and_changes_nothing_else(healthy: Fle
     report("(e) a slow KV link (tbf 1 mbit/s on the prefill hosts)", "text",
            f"the whole answer, {slow:.1f} s instead of {fast:.1f} s", slow,
            "pytest tests/fleet/test_faults.py -k test_e_")
-
-
-def test_f_a_prefill_member_restarted_while_its_leases_are_held(healthy: Fleet) -> None:
-    """Leases of the old engine die with it: the decode leg that pulls one fails, and the stream moves."""
-    want = assembled(stream(healthy.proxies["inline"].url + "/v1/completions", LONG_PROMPT))
-    moved = migrations(healthy, "inline", "error_event")
-
-    def restart(prefill: HostMember) -> None:
-        prefill.stop(grace_s=0)
-        prefill.spawn()
-
-    events, took, hit = _during_the_pull(healthy, restart)
-    saw = _whole_or_named(healthy, events, want, moved)
-    healthy.restart(hit)
-    healthy.assert_nothing_leaked()
-    report("(f) a prefill member restarted (new engine id) while its lease is held", "text", saw, took,
-           "pytest tests/fleet/test_faults.py -k test_f_")
 
 
 # ------------------------------------------------------------ (g) a decode member drained under load
@@ -383,7 +218,7 @@ def test_g_a_decode_member_drained_under_load(healthy: Fleet) -> None:
     start = time.monotonic()
     for t in threads:
         t.start()
-    drained = wait_until(lambda: [d for d in healthy.decodes if _metric(d, "pdserve_running_requests") >= 1],
+    drained = wait_until(lambda: [d for d in healthy.decodes if metric(d, "pdserve_running_requests") >= 1],
                          "streams on a decode member")[0]
     os.kill(drained.pid, signal.SIGTERM)
     for t in threads:

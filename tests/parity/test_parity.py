@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
 
 from pdserve.text.tokenizer import Tokenizer
+from pdserve.topology.process import start_all, stop_all
 from tests.fixtures.parser_cases import ALL_CASES, CASES, ParserCase, Setup
 from tests.serverproc import ServerProcess
 from tests.sse import stream_post
@@ -33,32 +35,54 @@ PARAMS = [(label, case) for label, cases in CASES_BY_SETUP.items() for case in c
 
 
 class Servers:
-    """One server per setup, started lazily and shared by the module."""
+    """One server per setup at one tokens-per-step, each started on first use (or all at once)."""
 
     def __init__(self, tmp_path_factory: pytest.TempPathFactory, tokens_per_step: int):
         self._tmp = tmp_path_factory
         self.tokens_per_step = tokens_per_step
         self._servers: dict[str, ServerProcess] = {}
 
+    def _server(self, label: str) -> ServerProcess:
+        script = self._tmp.mktemp("parity") / f"{label}.jsonl"
+        script.write_text("".join(json.dumps({"text": c.output}) + "\n" for c in CASES_BY_SETUP[label]))
+        return ServerProcess("serve", "--engine", "scripted", "--tokenizer", "qwen3", "--script", str(script),
+                             "--tokens-per-step", str(self.tokens_per_step), *SETUPS[label].cli_args())
+
     def get(self, label: str) -> ServerProcess:
         if label not in self._servers:
-            script = self._tmp.mktemp("parity") / f"{label}.jsonl"
-            script.write_text("".join(json.dumps({"text": c.output}) + "\n" for c in CASES_BY_SETUP[label]))
-            srv = ServerProcess("serve", "--engine", "scripted", "--tokenizer", "qwen3", "--script", str(script),
-                                "--tokens-per-step", str(self.tokens_per_step), *SETUPS[label].cli_args())
-            self._servers[label] = srv.start()
+            self.start_all([label])
         return self._servers[label]
 
+    def start_all(self, labels: list[str]) -> None:
+        """Start the servers of ``labels`` together: their imports and tokenizer loads overlap."""
+        new = {label: self._server(label) for label in labels if label not in self._servers}
+        self._servers |= new
+        start_all(list(new.values()))
+
     def stop(self) -> None:
-        for srv in self._servers.values():
-            srv.stop()
+        stop_all(list(self._servers.values()))
 
 
-@pytest.fixture(scope="module", params=[1, 3], ids=lambda k: f"{k}-per-step")
-def servers(request, tmp_path_factory):  # type: ignore[no-untyped-def]
-    s = Servers(tmp_path_factory, request.param)
-    yield s
-    s.stop()
+@pytest.fixture(scope="module")
+def by_step(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[int], Servers]]:
+    """Servers by tokens per step, made on first use and shared by the module's tests."""
+    made: dict[int, Servers] = {}
+
+    def get(tokens_per_step: int) -> Servers:
+        if tokens_per_step not in made:
+            made[tokens_per_step] = Servers(tmp_path_factory, tokens_per_step)
+        return made[tokens_per_step]
+
+    try:
+        yield get
+    finally:
+        for servers in made.values():
+            servers.stop()
+
+
+@pytest.fixture(params=[1, 3], ids=lambda k: f"{k}-per-step")
+def servers(request: pytest.FixtureRequest, by_step: Callable[[int], Servers]) -> Servers:
+    return by_step(request.param)
 
 
 def chat_body(label: str, case: ParserCase, **extra: Any) -> dict[str, Any]:
@@ -72,8 +96,12 @@ def chat_body(label: str, case: ParserCase, **extra: Any) -> dict[str, Any]:
     return body
 
 
+# One client for the module's thousands of calls (a connection per server, kept alive).
+CLIENT = httpx.Client(timeout=60)
+
+
 def post(srv: ServerProcess, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    r = httpx.post(srv.url + path, json=body, timeout=60)
+    r = CLIENT.post(srv.url + path, json=body)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -133,6 +161,7 @@ def stream_logprobs(choices: list[dict[str, Any]]) -> list | None:
 
 @pytest.mark.parametrize(("label", "case"), PARAMS, ids=[f"{label}-{case.name}" for label, case in PARAMS])
 def test_chat_parity(servers: Servers, label: str, case: ParserCase) -> None:
+    servers.start_all(list(CASES_BY_SETUP))  # the matrix uses every setup: start them together, once
     srv = servers.get(label)
     want = expected(case)
     chat = chat_body(label, case)
@@ -157,7 +186,7 @@ def test_chat_parity(servers: Servers, label: str, case: ParserCase) -> None:
     inline_stream = [e["choices"][0] for e in events]
     # One chunk per 4 tokens (the first token and the end at once): the same message, in fewer chunks. (On the
     # server of one token per step; the other already feeds the parsers multi-token deltas.)
-    interval_streams = {}
+    interval_streams: dict[str, list[dict[str, Any]]] = {}
     if servers.tokens_per_step == 1:
         events, done = stream_post(srv.url + "/v1/chat/completions", {**chat, "stream": True, "stream_interval": 4})
         assert done
@@ -174,16 +203,7 @@ def test_chat_parity(servers: Servers, label: str, case: ParserCase) -> None:
     derendered = post(srv, "/v1/chat/completions/derender", {
         "generate_response": tokens, "chat_request": chat, "prompt_token_ids": rendered["token_ids"],
     })["choices"][0]
-    events, done = stream_post(srv.url + "/inference/v1/generate", {**rendered, "stream": True})
-    state = None
-    derender_stream = []
-    for event in events:
-        res = post(srv, "/v1/chat/completions/derender", {
-            "stream": True, "generate_chunk": event, "stream_state": state, "chat_request": chat,
-            "prompt_token_ids": rendered["token_ids"],
-        })
-        state = res["stream_state"]
-        derender_stream += res["chunk"]["choices"]
+    derender_stream = _derendered_stream(srv, rendered, chat)
 
     batch = {"coupled": coupled, "inline": inline_choice, "inline_chat_request": inline_rfc,
              "derender": derendered}
@@ -212,6 +232,21 @@ def test_chat_parity(servers: Servers, label: str, case: ParserCase) -> None:
         finals = [c["finish_reason"] for c in choices if c["finish_reason"] is not None]
         assert finals == [case.finish_reason], name
         assert stream_logprobs(choices) == logprob_view((coupled["logprobs"] or {}).get("content")), name
+
+
+def _derendered_stream(srv: ServerProcess, rendered: dict[str, Any], chat: dict[str, Any]) -> list[dict[str, Any]]:
+    """A tokens stream, each chunk through stateless /derender with the state the last answer carried."""
+    events, done = stream_post(srv.url + "/inference/v1/generate", {**rendered, "stream": True})
+    assert done
+    state, choices = None, []
+    for event in events:
+        res = post(srv, "/v1/chat/completions/derender", {
+            "stream": True, "generate_chunk": event, "stream_state": state, "chat_request": chat,
+            "prompt_token_ids": rendered["token_ids"],
+        })
+        state = res["stream_state"]
+        choices += res["chunk"]["choices"]
+    return choices
 
 
 TEXT_CASES = [c for c in CASES if c.name in ("plain_answer", "cjk_and_emoji", "reasoning_then_answer")]

@@ -40,11 +40,12 @@ class Upstreams:
 
     def __init__(self, decode_stream: bytes, refused: set[str] = frozenset(),  # type: ignore[assignment]
                  busy: set[str] = frozenset(), streams: dict[str, bytes] | None = None,  # type: ignore[assignment]
-                 rendered: dict[str, Any] = RENDERED):
+                 rendered: dict[str, Any] = RENDERED, dropping: set[str] = frozenset()):  # type: ignore[assignment]
         self.seen: list[tuple[str, dict[str, str], Any]] = []
         self.decode_stream = decode_stream
         self.streams = streams or {}  # a decode host's own stream, else decode_stream
         self.rendered = rendered
+        self.dropping = dropping  # hosts that take the request, then drop the connection (they died)
         self.refused = refused
         self.busy = busy
 
@@ -58,9 +59,11 @@ class Upstreams:
             return httpx.Response(503, json=error, headers={"retry-after": "3"})
         body = json.loads(request.content) if request.content else None
         self.seen.append((host, dict(request.headers), body))
+        if host in self.dropping:
+            raise httpx.RemoteProtocolError("peer closed connection", request=request)
         if request.url.path.endswith("/render"):
             return httpx.Response(200, json=self.rendered)
-        if host == "prefill":
+        if host.startswith("prefill"):
             return httpx.Response(200, json={"request_id": "x", "choices": [], "kv_transfer_params": KV})
         stream = self.streams.get(host, self.decode_stream)
         return httpx.Response(200, content=stream, headers={"content-type": "text/event-stream"})
@@ -71,14 +74,15 @@ IN_ORDER = next(seed for seed in range(100) if random.Random(seed).sample([0, 1]
 
 
 def run(upstreams: Upstreams, decode_hosts: tuple[str, ...] = ("decode",),
-        metrics: ProxyMetrics | None = None) -> tuple[list[str], Orchestrator]:
+        metrics: ProxyMetrics | None = None, prefill_hosts: tuple[str, ...] = ("prefill",)
+        ) -> tuple[list[str], Orchestrator]:
     metrics = metrics or ProxyMetrics()
 
     async def go() -> tuple[list[str], Orchestrator]:
         client = httpx.AsyncClient(transport=httpx.MockTransport(upstreams))
         pools = [Pool(name, [f"http://{h}" for h in hosts], on_change=metrics.member_changed,
                       on_error=metrics.member_failed, rng=random.Random(IN_ORDER))
-                 for name, hosts in (("render", ("render",)), ("prefill", ("prefill",)), ("decode", decode_hosts))]
+                 for name, hosts in (("render", ("render",)), ("prefill", prefill_hosts), ("decode", decode_hosts))]
         for pool in pools:
             for member in pool.members:
                 pool.mark_up(member)
@@ -183,6 +187,27 @@ def test_a_stream_that_breaks_off_is_an_error_event_naming_the_member() -> None:
     events, _ = run(Upstreams(sse(chunk(delta={"content": "a"}), done=False)))
     message = payloads(events)[-1]["error"]["message"]
     assert "decode server http://decode ended the stream without [DONE]" in message
+
+
+def test_a_prefill_member_that_dies_mid_request_is_replaced_once() -> None:
+    metrics = ProxyMetrics()
+    upstreams = Upstreams(sse(chunk(delta={"content": "a"}, finish_reason="stop")), dropping={"prefill0"})
+    events, _ = run(upstreams, metrics=metrics, prefill_hosts=("prefill0", "prefill1"))
+    assert payloads(events)[-1]["choices"][0]["finish_reason"] == "stop"
+    assert [host for host, _, _ in upstreams.seen][1:3] == ["prefill0", "prefill1"]
+    assert metrics.registry.get_sample_value("pdserve_proxy_retries_total", {"leg": "prefill"}) == 1
+
+
+def test_a_decode_member_that_dies_before_the_first_byte_is_replaced_without_the_kv() -> None:
+    metrics = ProxyMetrics()
+    upstreams = Upstreams(sse(chunk(delta={"content": "a"}, finish_reason="stop")), dropping={"d0"},
+                          rendered=RESUMABLE)
+    events, _ = run(upstreams, ("d0", "d1"), metrics)
+    assert payloads(events)[-1]["choices"][0]["finish_reason"] == "stop"
+    (first, _, sent), (second, _, resent) = upstreams.seen[-2:]
+    assert (first, second) == ("d0", "d1") and sent["kv_transfer_params"] == KV
+    assert resent["kv_transfer_params"] is None and "prior_output_chunks" not in resent
+    assert metrics.registry.get_sample_value("pdserve_proxy_retries_total", {"leg": "decode"}) == 1
 
 
 def test_a_refused_member_is_skipped_and_taken_out_of_rotation() -> None:
