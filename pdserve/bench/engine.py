@@ -24,6 +24,7 @@ from pdserve.checkpoints.resolve import resolve_model
 from pdserve.engine.api import Engine
 from pdserve.engine.core import start_engine_core
 from pdserve.engine.core_client import EngineCoreClient
+from pdserve.engine.dtype_choice import DTYPE_CHOICES, choose_dtype
 from pdserve.engine.factory import build_engine
 from pdserve.engine.spec import EngineSpec
 from pdserve.protocol.engine import EngineRequest, SequenceSampling
@@ -122,7 +123,7 @@ def torch_version() -> str:
 def run_engine_bench(
     model: str = "smollm2-135m",
     *,
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
     batch_sizes: Sequence[int] = (1, 8),
     max_tokens: int = 128,
     prompt_tokens: int = 512,
@@ -131,7 +132,10 @@ def run_engine_bench(
 ) -> dict[str, Any]:
     """Measure the torch engine in process (and through the engine core); returns the numbers as a dict."""
     chats, long_prompt = _prompts(model, prompt_tokens)
-    spec = EngineSpec(kind="torch", model=model, dtype=dtype, max_num_seqs=max(16, *batch_sizes))
+    chosen = choose_dtype(dtype)
+    dtype = chosen.dtype  # the report names the dtype that ran
+    spec = EngineSpec(kind="torch", model=model, dtype=dtype, dtype_reason=chosen.reason,
+                      max_num_seqs=max(16, *batch_sizes))
     args = (chats, long_prompt, batch_sizes, max_tokens, repeats)
 
     async def in_process() -> dict[str, Any]:
@@ -217,7 +221,8 @@ def docs_section(results: dict[str, Any]) -> str:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="auto: bfloat16 where the CPU computes it, else float32 (pdserve serve's rule)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)

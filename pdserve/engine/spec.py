@@ -53,6 +53,7 @@ class EngineSpec(msgspec.Struct, kw_only=True):
     max_model_len: int | None = None
     max_num_seqs: int = 16
     dtype: str = "bfloat16"
+    dtype_reason: str = "--dtype"  # why this dtype (--dtype auto names the CPU's flags), for the banner
     seed: int = 0
     batch_invariant: bool = False  # torch: fixed-shape matmuls (see docs/engine.md)
     kv_transfer: KVTransferSpec | None = None  # torch: hand prompts' KV to / from other engines

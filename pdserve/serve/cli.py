@@ -8,6 +8,7 @@ import sys
 import uuid
 from importlib import resources
 
+from pdserve.engine.dtype_choice import DTYPE_CHOICES, choose_dtype
 from pdserve.engine.spec import KV_FAILURE_POLICIES, KV_ROLES, EngineSpec, KVTransferSpec
 from pdserve.protocol.keepalive import SERVER_KEEP_ALIVE_S
 from pdserve.serve.config import (
@@ -139,7 +140,9 @@ def add_server_commands(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--tokens-only", action="store_true", help="no tokenizer: token ids in and out only")
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=16)
-    serve.add_argument("--dtype", default="bfloat16")
+    serve.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                       help="the model's compute dtype; auto: bfloat16 where the CPU computes it (AVX512-BF16 or AMX), "
+                       "else float32 (bfloat16 would be emulated, and slower)")
     serve.add_argument(
         "--batch-invariant", action="store_true",
         help="torch engine: every matmul call has one fixed shape, so a sequence's tokens never depend on "
@@ -212,6 +215,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         tokenizer = tokenizer or "qwen3"
     if engine_kind == "vllm":
         tokenizer = _vllm_tokenizer(args, tokenizer)
+    dtype = choose_dtype(args.dtype)
     spec = EngineSpec(
         kind=engine_kind,
         model=args.model,
@@ -219,7 +223,8 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         step_ms=args.step_ms,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
-        dtype=args.dtype,
+        dtype=dtype.dtype,
+        dtype_reason=dtype.reason,
         batch_invariant=args.batch_invariant,
         kv_transfer=kv_transfer_spec(args),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pdserve.engine.dtype_choice import choose_dtype
 from tests.e2e.test_generate import SCRIPTS
 from tests.serverproc import ServerProcess
 from tests.waiting import wait_until
@@ -25,11 +26,19 @@ def test_a_generate_server_with_parsers_names_its_model_engine_parsers_and_route
         assert "/inference/v1/generate (tokens, text, derender)" in text and "/v1/chat/completions" in text
 
 
-def test_the_torch_engine_core_reports_its_process_and_threads() -> None:
+def test_the_torch_engine_core_reports_its_process_threads_and_dtype() -> None:
     with ServerProcess("serve", "qwen3-tiny", "--max-model-len", "128") as srv:
         text = banner(srv)
         assert "model      qwen3-tiny" in text
         assert "engine     torch (engine-core process " in text and "intra-op threads" in text
+        # --dtype auto, the default, names the dtype this CPU got and why.
+        auto = choose_dtype("auto")
+        assert f", {auto.dtype} ({auto.reason})" in text
+
+
+def test_a_dtype_asked_for_is_the_one_that_runs() -> None:
+    with ServerProcess("serve", "qwen3-tiny", "--max-model-len", "128", "--dtype", "float32") as srv:
+        assert ", float32 (--dtype)" in banner(srv)
 
 
 def test_render_and_tokens_only_roles_say_what_they_lack() -> None:

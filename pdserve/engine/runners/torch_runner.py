@@ -22,6 +22,7 @@ import torch
 
 from pdserve.checkpoints.model_dir import model_eos_ids
 from pdserve.checkpoints.resolve import model_display_name, resolve_model
+from pdserve.engine.dtype_choice import choose_dtype
 from pdserve.engine.inproc import InProcessCore
 from pdserve.engine.kv.handoff import KVHandoff
 from pdserve.engine.kv.peers import PeerDirectory
@@ -74,15 +75,14 @@ class TorchSetup:
         cls,
         model: str | None = None,
         *,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = 16,
         seed: int = 0,
         batch_invariant: bool = False,
         kv_transfer: KVTransferSpec | None = None,
     ) -> TorchSetup:
-        if dtype not in DTYPES:
-            raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        dtype = choose_dtype(dtype).dtype
         facts = read_model_facts(resolve_model(model))
         limit = facts.max_position_embeddings
         if max_model_len is not None and not 1 < max_model_len <= limit:
