@@ -46,10 +46,10 @@ def carries_output(line: str) -> bool:
 
 
 def stream(url: str, body: dict[str, Any], fault: Callable[[], None] | None = None, *, after_output: bool = True,
-           timeout: float = 120) -> list[dict[str, Any]]:
+           timeout: float = 120, headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """A stream's events (a refused request: its error body as the one event). ``fault()`` runs once output
     arrived (``after_output``) or once the stream opened; the stream must end with [DONE]."""
-    with httpx.stream("POST", url, json=body, timeout=timeout) as r:
+    with httpx.stream("POST", url, json=body, timeout=timeout, headers=headers) as r:
         if r.status_code != 200:
             return [json.loads(r.read())]
         lines = r.iter_lines()

@@ -20,7 +20,10 @@ from tests.waiting import wait_until
 MODEL = "qwen3-tiny"
 LEASE_S = 10.0
 PULL_TIMEOUT_S = 5.0
-ENGINE = (MODEL, "--dtype", "float32", "--kv-transfer", "nixl", "--kv-lease-s", str(LEASE_S),
+# float32 and --batch-invariant: a request's bits do not depend on what else runs (a prompt prefilled in a
+# batch, a sequence decoded among others, docs/engine.md), so its greedy answer under load (the soak, fault
+# (g)) is the one it gets alone, even where qwen3-tiny's near-uniform logits nearly tie.
+ENGINE = (MODEL, "--dtype", "float32", "--batch-invariant", "--kv-transfer", "nixl", "--kv-lease-s", str(LEASE_S),
           "--kv-pull-timeout-s", str(PULL_TIMEOUT_S))
 PARSERS = ("--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice")
 STALL_S = 2.0

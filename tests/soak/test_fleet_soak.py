@@ -62,10 +62,20 @@ def _metric_total(fleet: Fleet, prefix: str, must: str = "") -> float:
     return total
 
 
+def _difference(leg: str, got: dict[str, Any], want: dict[str, Any]) -> str:
+    """Where a wrong answer departs from the right one (ids, and the fields that differ)."""
+    fields = [k for k in want if got.get(k) != want[k]]
+    ids, right = got["ids"], want["ids"]
+    at = next((n for n, (a, b) in enumerate(zip(ids, right)) if a != b), min(len(ids), len(right)))
+    return (f"{leg}: fields {fields}; {len(ids)} ids against {len(right)}, first differing at {at}: "
+            f"{ids[max(0, at - 3):at + 4]} against {right[max(0, at - 3):at + 4]}")
+
+
 def test_the_fleet_soak(fleet: Fleet) -> None:
     requests = _requests()
     want = {i: assembled(stream(fleet.proxies[mode].url + path, body)) for i, (_, mode, path, body) in enumerate(requests)}
     outcome: Counter[str] = Counter()
+    wrong: list[str] = []
     errors: Counter[str] = Counter()
     stop = threading.Event()
     kills: list[str] = []
@@ -85,7 +95,8 @@ def test_the_fleet_soak(fleet: Fleet) -> None:
         i = n % len(requests)
         _, mode, path, body = requests[i]
         try:
-            events = stream(fleet.proxies[mode].url + path, body, timeout=CLIENT_TIMEOUT_S)
+            events = stream(fleet.proxies[mode].url + path, body, timeout=CLIENT_TIMEOUT_S,
+                            headers={"x-request-id": f"soak-{n}"})
         except httpx.TimeoutException:
             outcome["hung"] += 1
             return
@@ -97,10 +108,12 @@ def test_the_fleet_soak(fleet: Fleet) -> None:
         if "error" in last:
             outcome["failed"] += 1
             errors[str(last["error"].get("message"))[:120]] += 1
-        elif assembled(events) == want[i]:
+        elif (got := assembled(events)) == want[i]:
             outcome["right"] += 1
         else:
             outcome["wrong"] += 1
+            others = [j for j, w in want.items() if w == got]
+            wrong.append(f"#{n} " + _difference(requests[i][0], got, want[i]) + f"; equals the answer to {others}")
 
     thread = threading.Thread(target=killer, daemon=True)
     start = time.monotonic()
@@ -123,5 +136,11 @@ def test_the_fleet_soak(fleet: Fleet) -> None:
           f"connect errors/503s sent on before the first byte {before_first_byte:.0f}")
     for message, count in errors.most_common(10):
         print(f"  {count} x {message}")
+    for line in wrong[:10]:
+        print(f"  wrong: {line}")
+    if wrong:
+        print("  wrong by leg:", Counter(line.split()[1] for line in wrong))
+        for member in [*fleet.prefills, *fleet.decodes]:
+            print(f"  --- {member.url} log: " + member.log_tail(3000).replace("\n", "\n      "))
     assert outcome["wrong"] == 0 and outcome["hung"] == 0 and outcome["broken"] == 0, dict(outcome)
     assert sum(outcome.values()) == TOTAL and len(kills) >= 3
