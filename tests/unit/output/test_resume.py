@@ -40,9 +40,13 @@ def _config(mode: str, stop: tuple[str, ...] = ()) -> OutputConfig:
 
 
 def _seen(update: ChoiceUpdate | None) -> tuple[object, ...] | None:
+    """What an update sends, but a tool call's id: each parser makes up its own (a call that starts after
+    the resume gets the new leg's id, sent once as always)."""
     if update is None:
         return None
     delta = None if update.delta is None else update.delta.model_dump(exclude_none=True)
+    for call in (delta or {}).get("tool_calls") or []:
+        call.pop("id", None)
     return update.text, delta, update.token_ids, update.finish_reason, update.stop_reason
 
 
