@@ -121,10 +121,13 @@ class ServerProcess(_Launcher):
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
-def metric_sum(url: str, name: str, labels: str = "") -> float:
+def metric_sum(url: str, name: str, labels: str = "", missing: float | None = None) -> float:
     """The sum of the ``/metrics`` samples named ``name`` whose labels contain ``labels`` (vLLM labels every
-    sample with its engine and model; a pdserve counter has one unlabelled sample). A missing name fails."""
+    sample with its engine and model; a pdserve counter has one unlabelled sample). A missing name fails,
+    unless ``missing`` says what it counts as (a labelled counter has no sample before its first count)."""
     text = httpx.get(url + "/metrics", timeout=10).text
     found = re.findall(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
+    if not found and missing is not None:
+        return missing
     assert found, f"{name} missing from {url}/metrics"
     return sum(float(value) for label, value in found if labels in (label or ""))

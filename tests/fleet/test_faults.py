@@ -31,6 +31,7 @@ import pytest
 from tests.broken_streams import assembled, stream
 from tests.fleet.fleet import CHAT, COMPLETION, MODEL, PULL_TIMEOUT_S, STREAM, Fleet, metric, running_fleet
 from tests.fleet.hosts import MEMBER_PORT, HostMember
+from tests.serverproc import metric_sum
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(900)
@@ -75,9 +76,8 @@ def healthy(fleet: Fleet) -> Iterator[Fleet]:
 
 
 def migrations(fleet: Fleet, mode: str, cause: str) -> float:
-    text = httpx.get(fleet.proxies[mode].url + "/metrics", timeout=10).text
-    name = f'pdserve_proxy_migrations_total{{cause="{cause}",outcome="moved"}}'
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+    return metric_sum(fleet.proxies[mode].url, "pdserve_proxy_migrations_total", f'cause="{cause}",outcome="moved"',
+                      missing=0)
 
 
 # ------------------------------------------------------------ (a), (b): a decode member killed or hung
@@ -302,9 +302,7 @@ def test_j_a_decode_member_that_sends_garbage_or_a_truncated_body(healthy: Fleet
         for _ in range(2):  # round-robin: one of two goes to the faulty member
             assert assembled(stream(proxy.url + "/v1/completions", COMPLETION)) == want
         took = time.monotonic() - start
-        text = httpx.get(proxy.url + "/metrics", timeout=10).text
-        name = f'pdserve_proxy_migrations_total{{cause="{cause}",outcome="moved"}} '
-        assert float(next(x for x in text.splitlines() if x.startswith(name)).split()[-1]) >= 1
+        assert metric_sum(proxy.url, "pdserve_proxy_migrations_total", f'cause="{cause}",outcome="moved"') >= 1
     finally:
         proxy.stop()
         faulty.kill()

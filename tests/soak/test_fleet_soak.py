@@ -25,6 +25,7 @@ import pytest
 
 from tests.broken_streams import assembled, stream
 from tests.fleet.fleet import CHAT, COMPLETION, Fleet, running_fleet
+from tests.serverproc import metric_sum
 
 pytestmark = pytest.mark.timeout(3600)
 
@@ -53,13 +54,9 @@ def fleet() -> Iterator[Fleet]:
         yield made
 
 
-def _metric_total(fleet: Fleet, prefix: str, must: str = "") -> float:
-    total = 0.0
-    for proxy in fleet.proxies.values():
-        for line in httpx.get(proxy.url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith(prefix) and must in line:
-                total += float(line.split()[-1])
-    return total
+def _metric_total(fleet: Fleet, name: str, labels: str = "") -> float:
+    """``name``'s samples with ``labels``, summed over both proxies."""
+    return sum(metric_sum(proxy.url, name, labels, missing=0) for proxy in fleet.proxies.values())
 
 
 def _difference(leg: str, got: dict[str, Any], want: dict[str, Any]) -> str:
