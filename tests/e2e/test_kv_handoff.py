@@ -10,6 +10,7 @@ its top two candidates are further apart than that rounding (checked from the lo
 
 from __future__ import annotations
 
+import concurrent.futures
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -37,6 +38,8 @@ def servers() -> Iterator[dict[str, ServerProcess]]:
     group = {
         "prefill": ServerProcess("serve", MODEL, *KV, *EXACT),
         "decode": ServerProcess("serve", MODEL, *KV, *EXACT),
+        # One engine slot: pulled decode legs queue for it (the wrong-answer bug of issue 29's soak).
+        "narrow": ServerProcess("serve", MODEL, *KV, *EXACT, "--max-num-seqs", "1"),
         "recompute": ServerProcess("serve", MODEL, *KV, *EXACT, "--kv-load-failure-policy", "recompute"),
         "doomed": ServerProcess("serve", MODEL, *KV, *EXACT),  # a prefill server this module kills
         "prefill_bf16": ServerProcess("serve", MODEL, *KV),
@@ -122,6 +125,25 @@ def test_decode_leg_equals_one_coupled_server_and_metrics_show_the_hand_off(serv
     coupled = [answer(post(d, decode_body(token_ids, None))) for token_ids in batch]
     assert via_pd == coupled
     assert len({t for ids in coupled for t in ids}) > 10  # answers that differ: the check can fail
+
+
+def test_decode_legs_that_queue_for_a_slot_decode_their_own_prompts_kv(servers) -> None:  # type: ignore[no-untyped-def]
+    """More decode legs than engine slots, while the prefill server keeps exporting: a pulled leg waits in
+    the decode engine's queue, and the prefill engine has freed its blocks (the READ notified) and reuses
+    them for the next prompts. Every answer must still be the coupled one. Before the fix a waiting leg
+    READ its blocks again every step and decoded from another prompt's KV (issue 29's fleet soak)."""
+    p, d = servers["prefill"], servers["narrow"]
+    batch = [ids[:64] for ids in prompts(8, seed=7)]
+
+    def via_pd(token_ids: list[int]) -> list[int]:
+        return answer(post(d, decode_body(token_ids, prefill_leg(p, token_ids))))
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(via_pd, batch))
+    coupled = [answer(post(d, decode_body(token_ids, None))) for token_ids in batch]
+    assert got == coupled
+    assert len({tuple(ids) for ids in coupled}) == len(batch)  # every prompt its own answer: a mix-up shows
+    wait_until(lambda: p.metric("pdserve_kv_held_blocks") == 0, "prefill KV freed after the pulls")
 
 
 # How far apart a bfloat16 answer's best candidates must be for both paths to pick the same one. The

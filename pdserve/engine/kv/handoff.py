@@ -47,6 +47,10 @@ class _Pull:
     handle: Any = None
     read_started: float = 0.0
     abandoned: bool = False  # aborted or timed out: free the blocks once NIXL lets go of them
+    # The READ finished: the blocks hold the prompt's KV until load(). The request may wait for an engine
+    # slot for many steps; nothing may READ again, as the prefill engine freed (and may reuse) the remote
+    # blocks on the first READ's notification.
+    landed: bool = False
 
 
 @dataclass
@@ -122,6 +126,8 @@ class KVHandoff:
         """Move every pull on by one non-blocking look."""
         progress = PullProgress()
         for request_id, p in list(self._pulls.items()):
+            if p.landed:
+                continue
             try:
                 if p.handle is None:
                     self._try_start(request_id, p)
@@ -149,8 +155,8 @@ class KVHandoff:
             p.abandoned = True
 
     def pending(self) -> bool:
-        """Pulls in flight: the step loop keeps turning to watch them."""
-        return bool(self._pulls)
+        """Pulls in flight: the step loop keeps turning to watch them (a landed one waits in the scheduler)."""
+        return any(not p.landed for p in self._pulls.values())
 
     def waiting_for(self, request_id: str) -> bool:
         p = self._pulls.get(request_id)
@@ -231,6 +237,7 @@ class KVHandoff:
         s.pulled_bytes += blocks * self.pool.layout.block_bytes
         s.pulled_tokens += p.pull.num_tokens
         s.observe_pull(seconds)
+        p.landed = True
         progress.ready.append(request_id)
 
     def _fail(self, request_id: str, p: _Pull, reason: str, progress: PullProgress) -> None:

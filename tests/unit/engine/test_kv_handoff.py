@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.engine.kv.handoff import KVHandoff
+from pdserve.engine.kv.handoff import KVHandoff, PullProgress
 from pdserve.engine.kv.peers import PeerDirectory
 from pdserve.engine.kv.pool import KVBlockPool
 from pdserve.engine.kv.transport import TransferError
@@ -183,6 +183,35 @@ def test_a_pull_reads_into_local_blocks_notifies_and_loads() -> None:
     s = kv.stats()
     assert (s.pulls_ok, s.pulled_blocks, s.pulled_tokens, s.pulled_bytes) == (1, 3, 10, 3 * LAYOUT.block_bytes)
     assert s.free_blocks == 8 and sum(s.pull_seconds_counts) == 1
+
+
+def test_a_landed_pull_that_waits_for_a_slot_is_never_read_again() -> None:
+    """The fleet soak's wrong answers (issue 29): a pulled decode leg waiting for an engine slot had its READ
+    started again every step, from remote blocks the prefill engine had freed on the first READ's
+    notification and refilled with another prompt's KV."""
+    kv, transport, _ = handoff()
+    kv.begin_pull("dec", pull(), prompt_len=10)
+    kv.advance()
+    transport.states = ["DONE"]
+    assert kv.advance().ready == ["dec"]
+    (_, local_blocks, _), = transport.reads
+    kv.pool.data[local_blocks] = 2.0  # what the READ brought
+    for _ in range(3):  # steps while every slot is taken
+        assert kv.advance() == PullProgress()
+    assert len(transport.reads) == 1 and not kv.pending() and kv.waiting_for("dec")
+    target = KVCache(CFG, 1, 40, torch.float32)
+    kv.load("dec", target, 0, 10)
+    assert target.data[:, :, 0, :, :10].eq(2.0).all() and kv.stats().free_blocks == 8
+
+
+def test_an_aborted_landed_pull_frees_its_blocks() -> None:
+    kv, transport, _ = handoff()
+    kv.begin_pull("dec", pull(), prompt_len=10)
+    kv.advance()
+    transport.states = ["DONE"]
+    kv.advance()
+    kv.drop("dec")
+    assert kv.stats().free_blocks == 8 and not kv.waiting_for("dec") and kv.advance() == PullProgress()
 
 
 @pytest.mark.parametrize(
