@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -29,6 +30,8 @@ from pdserve.proxy.flow import ClientRequestError, Kind, Orchestrator
 from pdserve.proxy.pool import check_pools, health_loop
 from pdserve.proxy.upstream import UpstreamError, error_body, send
 from pdserve.web.disconnect import ClientGone, unless_disconnected
+
+log = logging.getLogger(__name__)
 
 # The servers behind the proxy refuse more (pdserve.serve.config.DEFAULT_MAX_BODY_BYTES); the proxy reads no more.
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -94,6 +97,14 @@ def create_app(orch: Orchestrator, health: HealthSettings = HealthSettings(), ap
             await orch.client.aclose()
 
     app = FastAPI(title="pdserve proxy", lifespan=lifespan)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, never the client's fault: an error object naming it (not Starlette's bare text page); the
+        # server's own handler logs the traceback after this response is sent.
+        log.error("pdserve proxy: %s %s failed: %r", request.method, request.url.path, exc)
+        return JSONResponse(error_body(f"pdserve proxy internal error: {type(exc).__name__}: {exc}", 500,
+                                       "InternalServerError"), status_code=500)
 
     if api_key:
         @app.middleware("http")

@@ -41,8 +41,14 @@ LEGS = {
     "text": ("inline", "/v1/completions", COMPLETION),
     "tokens": ("derender-tier", "/v1/chat/completions", CHAT),
 }
-# A prompt long enough that its KV takes seconds over a 1 mbit/s link (faults during the pull).
-LONG_PROMPT = {"model": MODEL, "prompt": " ".join(f"item {i}," for i in range(200))} | STREAM | {"max_tokens": 40}
+# Prompts long enough that their KV takes seconds over a 1 mbit/s link (faults during the pull).
+_LONG_TEXT = " ".join(f"item {i}," for i in range(200))
+_LONG_CHAT = CHAT | {"messages": [{"role": "user", "content": _LONG_TEXT + " Weather in Paris?"}], "max_tokens": 40}
+LONG_LEGS = {
+    "derender": ("inline", "/v1/chat/completions", _LONG_CHAT),
+    "text": ("inline", "/v1/completions", {"model": MODEL, "prompt": _LONG_TEXT} | STREAM | {"max_tokens": 40}),
+    "tokens": ("derender-tier", "/v1/chat/completions", _LONG_CHAT),
+}
 REPORT = os.environ.get("PDSERVE_FLEET_REPORT")
 
 
@@ -113,11 +119,13 @@ def test_a_decode_member_killed_or_hung_mid_stream(healthy: Fleet, leg: str, sig
 # ------------------------------------------------------------ (c), (d), (f): the KV's source goes away
 
 
-def _during_the_pull(fleet: Fleet, prefill_fault: Callable[[HostMember], None]
+def _during_the_pull(fleet: Fleet, leg: str, prefill_fault: Callable[[HostMember], None]
                      ) -> tuple[list[dict[str, Any]], float, HostMember]:
     """A completions stream whose prompt's KV crawls over the prefill hosts' slowed links; the fault hits the
-    prefill member that holds it once the decode leg is under way (pulling). The events, the seconds the
-    stream took, the member hit."""
+    prefill member that holds it once the decode leg is under way (pulling): a lease alone is not enough, as
+    the prefill's answer may still be on its way to the proxy, which would then send the leg to the other
+    prefill member (a retry, not the fault under test). The events, the seconds the stream took, the member
+    hit."""
     for prefill in fleet.prefills:
         prefill.host.slow_link(rate="1mbit")
     start = time.monotonic()
@@ -127,10 +135,13 @@ def _during_the_pull(fleet: Fleet, prefill_fault: Callable[[HostMember], None]
         fleet.serving()
         held = wait_until(lambda: [p for p in fleet.prefills if metric(p, "pdserve_kv_held_requests") == 1],
                           "a prefill member holds the prompt's KV")
+        wait_until(lambda: any(metric(d, "pdserve_running_requests") >= 1 for d in fleet.decodes),
+                   "the decode leg reached a decode member")
         hit.append(held[0])
         prefill_fault(held[0])
 
-    events = stream(fleet.proxies["inline"].url + "/v1/completions", LONG_PROMPT, fault, after_output=False)
+    mode, path, body = LONG_LEGS[leg]
+    events = stream(fleet.proxies[mode].url + path, body, fault, after_output=False)
     took = time.monotonic() - start
     for prefill in fleet.prefills:
         prefill.host.link_up()
@@ -138,7 +149,8 @@ def _during_the_pull(fleet: Fleet, prefill_fault: Callable[[HostMember], None]
     return events, took, hit[0]
 
 
-def _whole_or_named(fleet: Fleet, events: list[dict[str, Any]], want: dict[str, Any], moved_before: float) -> str:
+def _whole_or_named(fleet: Fleet, mode: str, events: list[dict[str, Any]], want: dict[str, Any],
+                    moved_before: float) -> str:
     """The answer is whole (the failed pull was an error event and the stream moved), or the error names
     the KV pull; what the client saw, for the report."""
     last = events[-1]
@@ -146,7 +158,7 @@ def _whole_or_named(fleet: Fleet, events: list[dict[str, Any]], want: dict[str, 
         assert last["error"]["code"] >= 500 and "KV" in last["error"]["message"], last
         return f"an error event naming it: {last['error']['message'][:80]}…"
     assert assembled(events) == want
-    assert migrations(fleet, "inline", "error_event") == moved_before + 1
+    assert migrations(fleet, mode, "error_event") == moved_before + 1
     return "the whole answer: the decode member failed the pull (an error event), the stream moved"
 
 
@@ -164,36 +176,40 @@ SOURCE_FAULTS: dict[str, tuple[str, Callable[[HostMember], None]]] = {
 
 
 @pytest.mark.parametrize("fault", list(SOURCE_FAULTS))
-def test_the_kv_source_goes_away_during_the_pull(healthy: Fleet, fault: str) -> None:
+@pytest.mark.parametrize("leg", list(LONG_LEGS))
+def test_the_kv_source_goes_away_during_the_pull(healthy: Fleet, leg: str, fault: str) -> None:
     """(c) the peer is gone, (d) it went silent until --kv-pull-timeout-s, (f) it runs a new engine whose
     leases are not the old one's: the decode member fails the leg with an error event, the stream moves."""
     title, hit_it = SOURCE_FAULTS[fault]
-    want = assembled(stream(healthy.proxies["inline"].url + "/v1/completions", LONG_PROMPT))
-    moved = migrations(healthy, "inline", "error_event")
-    events, took, hit = _during_the_pull(healthy, hit_it)
-    saw = _whole_or_named(healthy, events, want, moved)
+    mode, path, body = LONG_LEGS[leg]
+    want = assembled(stream(healthy.proxies[mode].url + path, body))
+    moved = migrations(healthy, mode, "error_event")
+    events, took, hit = _during_the_pull(healthy, leg, hit_it)
+    saw = _whole_or_named(healthy, mode, events, want, moved)
     if fault == "d-link-down":
         assert took >= PULL_TIMEOUT_S
     healthy.restart(hit)
     healthy.assert_nothing_leaked()
-    report(title, "text", saw, took, f"pytest tests/fleet/test_faults.py -k {fault}")
+    report(title, leg, saw, took, f"pytest tests/fleet/test_faults.py -k '{leg} and {fault}'")
 
 
-def test_e_a_slow_kv_link_slows_the_answer_and_changes_nothing_else(healthy: Fleet) -> None:
-    url = healthy.proxies["inline"].url + "/v1/completions"
+@pytest.mark.parametrize("leg", list(LONG_LEGS))
+def test_e_a_slow_kv_link_slows_the_answer_and_changes_nothing_else(healthy: Fleet, leg: str) -> None:
+    mode, path, body = LONG_LEGS[leg]
+    url = healthy.proxies[mode].url + path
     start = time.monotonic()
-    want = assembled(stream(url, LONG_PROMPT))
+    want = assembled(stream(url, body))
     fast = time.monotonic() - start
     for prefill in healthy.prefills:
         prefill.host.slow_link(rate="1mbit")
     start = time.monotonic()
-    got = assembled(stream(url, LONG_PROMPT))
+    got = assembled(stream(url, body))
     slow = time.monotonic() - start
     assert got == want and slow > fast
     healthy.assert_nothing_leaked()
-    report("(e) a slow KV link (tbf 1 mbit/s on the prefill hosts)", "text",
+    report("(e) a slow KV link (tbf 1 mbit/s on the prefill hosts)", leg,
            f"the whole answer, {slow:.1f} s instead of {fast:.1f} s", slow,
-           "pytest tests/fleet/test_faults.py -k test_e_")
+           f"pytest tests/fleet/test_faults.py -k 'test_e_ and {leg}'")
 
 
 # ------------------------------------------------------------ (g) a decode member drained under load

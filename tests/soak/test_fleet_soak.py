@@ -11,6 +11,7 @@ clear error are counted as failed. The moved, retried and failed counts are prin
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import threading
@@ -97,7 +98,7 @@ def test_the_fleet_soak(fleet: Fleet) -> None:
         except httpx.TimeoutException:
             outcome["hung"] += 1
             return
-        except (httpx.HTTPError, AssertionError) as e:  # a stream that broke off without an event: not clear
+        except (httpx.HTTPError, AssertionError, json.JSONDecodeError) as e:  # broke off, or a bare error page
             outcome["broken"] += 1
             errors[f"{type(e).__name__}: {e}"[:120]] += 1
             return
@@ -139,5 +140,11 @@ def test_the_fleet_soak(fleet: Fleet) -> None:
         print("  wrong by leg:", Counter(line.split()[1] for line in wrong))
         for member in [*fleet.prefills, *fleet.decodes]:
             print(f"  --- {member.url} log: " + member.log_tail(3000).replace("\n", "\n      "))
+    if outcome["broken"]:
+        for mode, proxy in fleet.proxies.items():
+            text = proxy.log_tail(10**8)
+            at = text.find("Traceback")
+            print(f"  --- proxy {mode} log, first traceback: " + text[at:at + 6000].replace("\n", "\n      "))
     assert outcome["wrong"] == 0 and outcome["hung"] == 0 and outcome["broken"] == 0, dict(outcome)
+    assert not [m for m in errors if "internal error" in m], "a proxy bug, not a fault's clear error"
     assert sum(outcome.values()) == TOTAL and len(kills) >= 3

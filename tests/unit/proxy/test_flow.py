@@ -261,3 +261,30 @@ def test_an_upstream_4xx_keeps_its_status_and_body() -> None:
     with pytest.raises(UpstreamError) as e:
         run(Refusing(b""))
     assert (e.value.status, e.value.body) == (400, error)
+
+
+def test_a_bug_in_the_proxy_is_an_error_object_naming_it_not_a_bare_page() -> None:
+    """The fleet soak once got Starlette's bare ``Internal Server Error`` text from a proxy; whatever raises
+    unexpectedly is now an OpenAI error object naming the exception (and the traceback is logged)."""
+    from pdserve.proxy.app import create_app
+
+    class Broken(Upstreams):
+        def __call__(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path.endswith("/render"):
+                return httpx.Response(200, json=["not", "a", "rendered", "request"])
+            return super().__call__(request)
+
+    async def go() -> httpx.Response:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(Broken(sse())))
+        pools = [Pool(name, [f"http://{name}"]) for name in ("render", "prefill", "decode")]
+        for pool in pools:
+            pool.mark_up(pool.members[0])
+        app = create_app(Orchestrator(client, *pools, "inline", ProxyMetrics()))
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as front:
+            return await front.post("/v1/chat/completions", json=CHAT)
+
+    r = asyncio.run(go())
+    assert r.status_code == 500
+    error = r.json()["error"]
+    assert error["type"] == "InternalServerError" and "pdserve proxy internal error" in error["message"]
