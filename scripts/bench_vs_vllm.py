@@ -40,10 +40,10 @@ def model_dir() -> Path:
     return CACHE
 
 
-def start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+def start(cmd: list[str], log: Path, env: dict[str, str], cwd: Path = ROOT) -> subprocess.Popen[bytes]:
     with log.open("wb") as out:
         return subprocess.Popen(["taskset", "-c", "0", *cmd], stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **env})
+                                env={**os.environ, **env}, cwd=cwd)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 600) -> None:
@@ -84,6 +84,10 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--no-parsers", action="store_true",
                         help="serve without the qwen3 + hermes parsers (a model whose vocabulary lacks their tags)")
+    parser.add_argument("--baseline-tree", type=Path, default=None,
+                        help="also serve pdserve from this checkout (another commit's worktree), pinned the same way, "
+                             "for a before/after arm in the same run")
+    parser.add_argument("--baseline-port", type=int, default=18812)
     parser.add_argument("extra", nargs="*")
     args = parser.parse_args()
     if not VLLM_PY.is_file() and not args.no_vllm:
@@ -99,6 +103,12 @@ def main() -> int:
     servers = [start([sys.executable, "-m", "pdserve.cli", "serve", model, *common, "--port", str(args.pdserve_port)],
                      pd_log, {})]
     ports, logs_of = [args.pdserve_port], [pd_log]
+    if args.baseline_tree is not None:
+        base_log = Path("/tmp/bench-vs-vllm-baseline.log")
+        servers.append(start([sys.executable, "-m", "pdserve.cli", "serve", model, *common, "--port",
+                              str(args.baseline_port)], base_log, {}, cwd=args.baseline_tree.resolve()))
+        ports.append(args.baseline_port)
+        logs_of.append(base_log)
     if not args.no_vllm:
         servers.append(start([str(VLLM_PY), str(ROOT / "scripts" / "vllm_cli.py"), "serve", model, *common,
                               "--enforce-eager", "--enable-scale-out", "--port", str(args.vllm_port)],

@@ -4,8 +4,9 @@ Why a process: the model loop and the HTTP/detokenize/parse work must never stal
 other, and ``--api-server-count N`` runs N frontend processes against one model. The
 core binds one ZMQ ROUTER socket (ipc, under a private temp dir); each frontend's
 :class:`~pdserve.engine.core_client.EngineCoreClient` connects a DEALER, so the core knows which
-client added a request and routes its outputs back there, while an abort or stop from *any*
-client works by request id. Messages are the msgspec Structs of :mod:`pdserve.engine.messages`.
+client added a request and routes its outputs back down that client's output stream (a Unix
+socket the client listens on, :mod:`pdserve.engine.output_stream`), while an abort or stop from
+*any* client works by request id. Messages are the msgspec Structs of :mod:`pdserve.engine.messages`.
 
 The loop is :class:`~pdserve.engine.core_server.CoreServer` (``core_server.py``), over the step loop
 :func:`~pdserve.engine.factory.build_core` returns: the one engine loop, which an in-process engine
@@ -125,7 +126,6 @@ def run_engine_core(spec: EngineSpec, addresses: EngineCoreAddresses, ready: Con
         gc.freeze()
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops messages at the high-water mark; never drop outputs
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(addresses.endpoint)
         ready.send(("ready", msgspec.msgpack.encode(core.info)))

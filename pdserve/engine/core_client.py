@@ -4,23 +4,22 @@ It sends typed commands (:mod:`pdserve.engine.messages`) over a ZMQ DEALER and o
 per-request async iterators: each ``StepOutputs`` the core sends (one per step) is dispatched
 to them in one pass (:meth:`~pdserve.engine.channels.OutputChannels.deliver`).
 
-The socket is a plain (blocking-API) ZMQ socket read from the event loop's own reader callback
-on its file descriptor, draining every queued message per wake-up without blocking. pyzmq's
-``zmq.asyncio`` socket costs a future, an event-flag round trip and a re-registration per
-message: a fifth of the API process's CPU per streamed token at one stream, measured
-(docs/benchmarks.md). ZMQ's descriptor is edge-triggered: it fires when the socket's
-state changes, so a drain reads until the queue is empty, and after every send (which may
-consume the change) the socket's events are checked again.
+What the core sends back arrives on the client's own output stream (a Unix socket it listens on and
+names in its ``Hello``; :mod:`pdserve.engine.output_stream`), read by the event loop's reader callback
+on that socket: one wake-up per step, with no ZMQ I/O thread in between (pyzmq's own reader thread
+and ``zmq.asyncio`` each cost a wake-up or a future per message; docs/benchmarks.md). The DEALER
+only sends.
 
 Supervision: a client declares the engine dead (every in-flight iterator raises
-:class:`EngineDeadError`) when the core's pid is gone, the core says its engine died, or
-heartbeats stop for :data:`HEARTBEAT_TIMEOUT_S`.
+:class:`EngineDeadError`) when the core's pid is gone, the core says its engine died, its output
+stream ends, or heartbeats stop for :data:`HEARTBEAT_TIMEOUT_S`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -43,6 +42,7 @@ from pdserve.engine.messages import (
     StepOutputs,
     StopSequence,
 )
+from pdserve.engine.output_stream import FrameReader, OutputStreamClosed, listening_socket
 from pdserve.protocol.engine import ABORT_BY_CLIENT, EngineInfo, EngineOutput, EngineRequest, EngineStats
 
 # A client gives up on a core that has been silent this long (the pid check is faster
@@ -52,10 +52,9 @@ from pdserve.protocol.engine import ABORT_BY_CLIENT, EngineInfo, EngineOutput, E
 HEARTBEAT_TIMEOUT_S = 120.0
 # How often a client checks the core's pid.
 LIVENESS_POLL_S = 0.2
-# The socket-events poll as plain ints: with pyzmq's enum.Flag constants, ``&`` runs enum arithmetic in
-# Python (half the poll's cost), several times per step.
-_EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
+# How long an output stream may have ended before a core whose pid still runs counts as dead anyway (a
+# killed core closes its sockets just before its pid goes; the pid watch then names the exit).
+STREAM_END_GRACE_S = 1.0
 
 
 def _pid_alive(pid: int) -> bool:
@@ -98,9 +97,10 @@ class EngineCoreClient:
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._fd: int | None = None
+        self._outputs: socket.socket | None = None  # the core's stream to this client
+        self._frames = FrameReader()
+        self._stream_ended_at: float | None = None
         self._ready: asyncio.Future[Ready] | None = None
-        self._drain_scheduled = False
         self._channels = OutputChannels()
         self._tasks: list[asyncio.Task[None]] = []
         self._dead: EngineDeadError | None = None
@@ -126,17 +126,22 @@ class EngineCoreClient:
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.connect(self.addresses.endpoint)
-        self._fd = self._sock.getsockopt(zmq.FD)
         self._ready = self._loop.create_future()
-        self._loop.add_reader(self._fd, self._drain)
-        self._send(Hello())
+        listener, name = listening_socket()
         try:
-            reply = await asyncio.wait_for(self._ready, self.connect_timeout)
+            self._send(Hello(outputs=name))
+            async with asyncio.timeout(self.connect_timeout):
+                self._outputs, _ = await self._loop.sock_accept(listener)
+                self._outputs.setblocking(False)
+                self._loop.add_reader(self._outputs.fileno(), self._read)
+                reply = await self._ready
         except TimeoutError:
             self._close_socket()
             raise EngineDeadError(
                 f"engine core at {self.addresses.endpoint} did not answer within {self.connect_timeout:.0f}s"
             ) from None
+        finally:
+            listener.close()
         self.info, self.core_pid = reply.info, reply.pid
         self._last_heard = time.monotonic()
         self._tasks = [asyncio.create_task(self._watch())]
@@ -192,22 +197,19 @@ class EngineCoreClient:
     def _send(self, message: Any) -> None:
         assert self._sock is not None
         self._sock.send(self._encoder.encode(message), zmq.NOBLOCK)
-        # A send may take the descriptor's edge for messages that arrived meanwhile: look again.
-        if not self._drain_scheduled and self._sock.getsockopt(_EVENTS) & _POLLIN:
-            self._drain_scheduled = True
-            assert self._loop is not None
-            self._loop.call_soon(self._drain)
 
-    def _drain(self) -> None:
-        """Read and dispatch every message queued on the socket (the loop's reader callback).
-
-        Asking for the socket's events before each read (rather than reading until ``zmq.Again``)
-        spares an exception per wake-up and resets the descriptor's edge the same way.
-        """
-        self._drain_scheduled = False
-        while self._sock is not None and self._sock.getsockopt(_EVENTS) & _POLLIN:
-            frame = self._sock.recv(zmq.NOBLOCK)
+    def _read(self) -> None:
+        """Dispatch every whole message the output stream brought (the loop's reader callback)."""
+        assert self._outputs is not None
+        try:
+            frames = self._frames.read_from(self._outputs)
+        except OutputStreamClosed:
+            self._stop_reading()
+            self._stream_ended_at = time.monotonic()  # the pid watch says why (or gives up, see _watch)
+            return
+        if frames:
             self._last_heard = time.monotonic()
+        for frame in frames:
             try:
                 message = self._decoder.decode(frame)
             except msgspec.DecodeError:
@@ -229,6 +231,8 @@ class EngineCoreClient:
             await asyncio.sleep(LIVENESS_POLL_S)
             if not _pid_alive(self.core_pid):
                 self._die(f"engine core process {self.core_pid} exited")
+            elif self._stream_ended_at is not None and time.monotonic() - self._stream_ended_at > STREAM_END_GRACE_S:
+                self._die(f"engine core process {self.core_pid} closed its output stream")
             elif time.monotonic() - self._last_heard > HEARTBEAT_TIMEOUT_S:
                 self._die(f"engine core process {self.core_pid} sent no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f}s")
 
@@ -238,10 +242,15 @@ class EngineCoreClient:
         self._dead = EngineDeadError(reason)
         self._channels.fail_all(self._dead)
 
+    def _stop_reading(self) -> None:
+        if self._outputs is not None:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._outputs.fileno())
+            self._outputs.close()
+            self._outputs = None
+
     def _close_socket(self) -> None:
-        if self._fd is not None and self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._fd)
-        self._fd = None
+        self._stop_reading()
         if self._sock is not None:
             self._sock.close()
             self._sock = None

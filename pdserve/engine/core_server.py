@@ -2,7 +2,9 @@
 
 The only engine loop there is. The engine core process runs it on its main thread over an ipc ROUTER
 socket (:mod:`pdserve.engine.core`); an in-process engine runs it on a thread over an ``inproc://``
-socket (:mod:`pdserve.engine.inproc`). Each turn (:meth:`CoreServer.turn`) drains the socket's inbox,
+socket (:mod:`pdserve.engine.inproc`). Commands arrive on that socket; everything for a client goes
+down the client's own output stream (:mod:`pdserve.engine.output_stream`), which its event loop reads
+without a ZMQ thread in between. Each turn (:meth:`CoreServer.turn`) drains the socket's inbox,
 runs one ``step()`` of the :class:`~pdserve.engine.stepping.StepCore` (no sooner than its ``pace_s``
 after the last one) and sends each client **one** ``StepOutputs`` with everything that turn produced
 for it. No per-request task, queue or iterator lives here. A request streamed with a stream interval
@@ -16,6 +18,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -36,10 +39,13 @@ from pdserve.engine.messages import (
     StepOutputs,
     StopSequence,
 )
+from pdserve.engine.output_stream import FrameWriter, OutputStreamClosed
 from pdserve.engine.stepping import StepCore
 from pdserve.protocol.engine import ABORT_BY_CLIENT, EngineStats
 
 HEARTBEAT_INTERVAL_S = 0.5
+# How often a turn retries writing to a client whose output stream is full (it stopped reading).
+BACKLOG_RETRY_S = 0.001
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +66,22 @@ class CoreServer:
     """
 
     def __init__(
-        self, core: StepCore, sock: zmq.Socket[Any], parent_pid: int, *, stats_each_turn: bool = False
+        self,
+        core: StepCore,
+        sock: zmq.Socket[Any],
+        parent_pid: int,
+        *,
+        stats_each_turn: bool = False,
+        connect_stream: Callable[[str], FrameWriter] = FrameWriter,
     ) -> None:
         self.core, self.sock, self.parent_pid = core, sock, parent_pid
+        self._connect_stream = connect_stream
+        self.streams: dict[bytes, FrameWriter] = {}  # client -> its output stream
         self.stopped = False
         self.stats_each_turn = stats_each_turn
         self.last_stats = EngineStats()
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(ClientMessage)
-        self.clients: set[bytes] = set()
         self.owners: dict[str, bytes] = {}  # request id -> the client that added it
         self.pending: dict[bytes, StepOutputs] = {}  # this turn's batch per client
         # Requests streamed with a stream interval above 1: their outputs wait here for a full chunk.
@@ -109,8 +122,12 @@ class CoreServer:
     def _wait_s(self, next_beat: float) -> float:
         now = time.monotonic()
         if self.core.has_work():
-            return max(0.0, self._last_step + self.core.pace_s - now)
-        return max(0.0, next_beat - now)
+            wait = max(0.0, self._last_step + self.core.pace_s - now)
+        else:
+            wait = max(0.0, next_beat - now)
+        if any(stream.backlog for stream in self.streams.values()):
+            wait = min(wait, BACKLOG_RETRY_S)
+        return wait
 
     def receive(self, wait_s: float) -> None:
         if not self.sock.poll(int(wait_s * 1000)):
@@ -128,7 +145,11 @@ class CoreServer:
 
     def handle(self, identity: bytes, message: ClientMessage) -> None:
         if isinstance(message, Hello):
-            self.clients.add(identity)
+            try:
+                self.streams[identity] = self._connect_stream(message.outputs)
+            except OutputStreamClosed as e:
+                log.warning("a client said hello but its output stream is unreachable: %s", e)
+                return
             self._send(identity, Ready(info=self.core.info, pid=os.getpid()))
         elif isinstance(message, AddRequest):
             self._add(identity, message)
@@ -137,8 +158,14 @@ class CoreServer:
         elif isinstance(message, StopSequence):
             self.core.stop_sequence(message.request_id, message.index)
         elif isinstance(message, Goodbye):
-            self.clients.discard(identity)
-            self.core.abort([rid for rid, owner in self.owners.items() if owner == identity], ABORT_BY_CLIENT)
+            self._drop_client(identity)
+
+    def _drop_client(self, identity: bytes) -> None:
+        """The client left (or its output stream broke): close its stream, abort its requests."""
+        stream = self.streams.pop(identity, None)
+        if stream is not None:
+            stream.close()
+        self.core.abort([rid for rid, owner in self.owners.items() if owner == identity], ABORT_BY_CLIENT)
 
     def _add(self, identity: bytes, message: AddRequest) -> None:
         rid = message.request.request_id
@@ -169,6 +196,9 @@ class CoreServer:
                 self._batch(owner).failed.append(failure)
 
     def flush(self) -> None:
+        for identity, stream in list(self.streams.items()):
+            if stream.backlog:
+                self._write(identity, stream.flush)
         pending, self.pending = self.pending, {}
         for identity, batch in pending.items():
             batch.step = self.steps
@@ -181,8 +211,18 @@ class CoreServer:
         return batch
 
     def _broadcast(self, message: Heartbeat | CoreDead) -> None:
-        for identity in self.clients:
+        for identity in list(self.streams):
             self._send(identity, message)
 
     def _send(self, identity: bytes, message: Any) -> None:
-        self.sock.send_multipart([identity, self.encoder.encode(message)])
+        stream = self.streams.get(identity)
+        if stream is not None:
+            payload = self.encoder.encode(message)
+            self._write(identity, lambda: stream.send(payload))
+
+    def _write(self, identity: bytes, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except OutputStreamClosed as e:
+            log.warning("a client's output stream closed (%s): its requests are aborted", e)
+            self._drop_client(identity)

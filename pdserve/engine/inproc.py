@@ -3,8 +3,9 @@ an ``inproc://`` ZMQ socket, and an :class:`~pdserve.engine.core_client.EngineCo
 
 So an in-process engine (tests, ``pdserve bench engine``) runs the very loop the engine core process
 runs: the same commands, the same batch per turn, the same stream-interval holding, the same channels
-on the event loop side. Only the transport differs (``inproc://`` in one shared ZMQ context instead
-of an ipc socket between processes) and the supervision: the thread's loop stops when the engine
+on the event loop side. Only the command transport differs (``inproc://`` in one shared ZMQ context
+instead of an ipc socket between processes; the output stream is the same Unix socket) and the
+supervision: the thread's loop stops when the engine
 shuts down, and a failed step tells the client (``CoreDead``) as a core process would.
 
 The step loop is built on the loop's thread (``load``): the torch runner sizes its thread pool and
@@ -109,7 +110,6 @@ class InProcessCore:
             loaded.set_exception(exc)
             return
         try:
-            sock.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops messages at the high-water mark; never drop outputs
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(endpoint)
             self._server = CoreServer(steps, sock, os.getppid(), stats_each_turn=True)

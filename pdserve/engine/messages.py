@@ -1,7 +1,8 @@
 """Typed messages: commands into a step loop, and what one step sends back.
 
 The same structs travel two ways: through the in-process engine's thread inbox and, msgpack
-encoded, over the engine core's ZMQ socket (one tagged union per direction). A step's outcome
+encoded, between an engine core and its clients (one tagged union per direction: commands over the
+core's ZMQ socket, what the core sends back over each client's output stream). A step's outcome
 is one :class:`StepOutputs`, so a step costs one message and one dispatch whatever its batch.
 """
 
@@ -38,7 +39,10 @@ Command = AddRequest | AbortRequests | StopSequence
 
 
 class Hello(msgspec.Struct, tag="hello"):
-    """A client introduces itself; the core answers with :class:`Ready`."""
+    """A client introduces itself; the core connects to ``outputs`` (the client's output stream,
+    :mod:`pdserve.engine.output_stream`) and answers there with :class:`Ready`."""
+
+    outputs: str
 
 
 class Goodbye(msgspec.Struct, tag="bye"):

@@ -1,4 +1,4 @@
-"""The hot path of one engine step: one ZMQ message per client, dispatched to its iterators in one pass,
+"""The hot path of one engine step: one message per client, dispatched to its iterators in one pass,
 and requests admitted in one step prefilled in one batch.
 
 The core's turn runs the real torch step loop (qwen3-tiny); only the socket is a recording double,
@@ -25,7 +25,8 @@ PROMPT = [9707, 11, 1879, 0, 151644, 872, 198]
 
 
 class RecordingSocket:
-    """Stands in for the ROUTER socket: nothing to receive, every send recorded."""
+    """Stands in for the ROUTER socket (nothing to receive) and the clients' output streams (every
+    message a client is sent is recorded with the name of its stream)."""
 
     def __init__(self) -> None:
         self.sent: list[tuple[bytes, Any]] = []
@@ -34,9 +35,16 @@ class RecordingSocket:
     def poll(self, timeout_ms: int) -> int:
         return 0
 
-    def send_multipart(self, frames: list[bytes]) -> None:
-        identity, payload = frames
-        self.sent.append((identity, self._decoder.decode(payload)))
+    def connect_stream(self, name: str) -> Any:
+        recorder = self
+
+        class Stream:
+            backlog = 0
+
+            def send(self, payload: bytes) -> None:
+                recorder.sent.append((name.encode(), recorder._decoder.decode(payload)))
+
+        return Stream()
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +58,10 @@ def request(rid: str, max_tokens: int) -> EngineRequest:
 
 def test_one_step_with_n_running_requests_is_one_message_per_client(steps: StepLoop) -> None:
     sock = RecordingSocket()
-    server = CoreServer(steps, sock, parent_pid=0)  # type: ignore[arg-type]
+    server = CoreServer(steps, sock, parent_pid=0, connect_stream=sock.connect_stream)  # type: ignore[arg-type]
     clients = {b"a": ["a0", "a1", "a2", "a3"], b"b": ["b0", "b1"]}
     for identity, rids in clients.items():
-        server.handle(identity, Hello())
+        server.handle(identity, Hello(outputs=identity.decode()))
         for rid in rids:
             server.handle(identity, AddRequest(request(rid, max_tokens=5)))
     assert all(isinstance(message, Ready) for _, message in sock.sent)
