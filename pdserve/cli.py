@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Imported here, not at the top: spawned frontend processes re-import this module as their
     # __main__, and the bench modules (httpx clients, workloads) would only slow their start.
     from pdserve.bench.engine import add_engine_args
+    from pdserve.bench.interference import add_interference_args
     from pdserve.bench.scenarios import add_scenarios_args
     from pdserve.bench.serve_bench import add_serve_args
     from pdserve.conformance.runner import add_conformance_args
@@ -29,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks; numbers go to docs/benchmarks.md")
     benches = bench.add_subparsers(dest="bench", required=True)
     add_engine_args(benches.add_parser("engine", help="torch engine decode tok/s (batch 1, 8) and TTFT"))
+    add_interference_args(benches.add_parser("interference", help="a long prompt arriving while streams decode: their "
+                                             "ITL per --max-num-batched-tokens"))
     add_serve_args(benches.add_parser("serve", help="streaming load generator (vllm bench serve's flags)"))
     add_scenarios_args(benches.add_parser("scenarios", help="every scenario side by side; rewrites docs/benchmarks.md"))
     add_conformance_args(sub.add_parser("conformance", help="check a server against the generate protocol's wire rules"))
@@ -69,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.bench.engine import run_engine_bench_cli
 
         return run_engine_bench_cli(args)
+    if args.bench == "interference":
+        from pdserve.bench.interference import run_interference_cli
+
+        return run_interference_cli(args)
     if args.bench == "serve":
         from pdserve.bench.serve_bench import run_serve_bench
 

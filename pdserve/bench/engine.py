@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.report import machine, write_section
+from pdserve.bench.report import machine, publish_section
 from pdserve.checkpoints.resolve import resolve_model
 from pdserve.engine.api import Engine
 from pdserve.engine.core import start_engine_core
@@ -40,7 +40,7 @@ LONG_TEXT = (
 )
 
 
-def _prompts(model: str | None, prompt_tokens: int) -> tuple[list[list[int]], list[int]]:
+def chat_and_long_prompts(model: str | None, prompt_tokens: int) -> tuple[list[list[int]], list[int]]:
     """Short chat prompts for the decode runs (one per topic) and a prompt of exactly ``prompt_tokens`` ids."""
     from tokenizers import Tokenizer
 
@@ -131,7 +131,7 @@ def run_engine_bench(
     via_core: bool = True,
 ) -> dict[str, Any]:
     """Measure the torch engine in process (and through the engine core); returns the numbers as a dict."""
-    chats, long_prompt = _prompts(model, prompt_tokens)
+    chats, long_prompt = chat_and_long_prompts(model, prompt_tokens)
     chosen = choose_dtype(dtype)
     dtype = chosen.dtype  # the report names the dtype that ran
     spec = EngineSpec(kind="torch", model=model, dtype=dtype, dtype_reason=chosen.reason,
@@ -241,11 +241,7 @@ def run_engine_bench_cli(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         via_core=not args.no_core,
     )
-    section = docs_section(results)
-    print(SECTION_HEADING + "\n\n" + section)
-    if not args.no_docs:
-        write_section(args.docs, SECTION_HEADING, section)
-        print(f"wrote {args.docs}")
+    publish_section(SECTION_HEADING, docs_section(results), None if args.no_docs else args.docs)
     return 0
 
 

@@ -96,3 +96,11 @@ def write_section(path: Path, heading: str, body: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(replace_section(document, heading, body), encoding="utf-8")
     tmp.replace(path)
+
+
+def publish_section(heading: str, body: str, docs: Path | None) -> None:
+    """Print a benchmark's section, and swap it into ``docs`` unless that is None (``--no-docs``)."""
+    print(heading + "\n\n" + body)
+    if docs is not None:
+        write_section(docs, heading, body)
+        print(f"wrote {docs}")

@@ -1,16 +1,20 @@
-"""Continuous batching over a fixed set of KV-cache slots.
+"""Continuous batching over a fixed set of KV-cache slots, with a per-step token budget.
 
 Requests wait in arrival order (FCFS) and are admitted between model steps when all of
-their ``n`` sequences fit; a finished sequence leaves between steps too. Running
-sequences always occupy slots ``0..B-1`` (the last one moves into a freed slot), so a
-decode step reads the KV cache as one contiguous view and its batch row ``i`` is slot
-``i``. The scheduler only does the bookkeeping; the runner owns tensors and applies the
-slot moves it returns.
+their ``n`` sequences fit and their prompt fits what is left of the step's token budget
+(``--max-num-batched-tokens``, shared with the running sequences' decode rows); a finished
+sequence leaves between steps too. A prompt longer than the budget is prefilled in chunks
+instead (:meth:`Scheduler.start_chunked`): one at a time, its slots reserved until it is
+placed. Running sequences always occupy slots ``0..B-1`` (the last one moves into a freed
+slot), so a decode step reads the KV cache as one contiguous view and its batch row ``i``
+is slot ``i``. The scheduler only does the bookkeeping; the runner owns tensors and applies
+the slot moves it returns.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -47,19 +51,17 @@ class SlotMove:
 
 
 class Scheduler(Generic[R, S]):
-    def __init__(self, max_num_seqs: int, max_prefill_tokens: int) -> None:
+    def __init__(self, max_num_seqs: int) -> None:
         if max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         self.max_num_seqs = max_num_seqs
-        # Prompt tokens prefilled per step beyond the first request; bounds how long
-        # running sequences wait for their next token while newcomers are prefilled.
-        self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[R] = deque()
         self.running: list[S] = []
+        self.reserved = 0  # slots held for the request being prefilled in chunks
 
     @property
     def free_slots(self) -> int:
-        return self.max_num_seqs - len(self.running)
+        return self.max_num_seqs - len(self.running) - self.reserved
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -76,18 +78,34 @@ class Scheduler(Generic[R, S]):
                 return request
         return None
 
-    def admit(self) -> list[R]:
-        """Pop the requests to prefill this step, oldest first; never skips past one that does not fit."""
+    def admit(self, budget: int, cost: Callable[[R], int]) -> list[R]:
+        """Pop the requests to prefill whole this step, oldest first, while their sequences fit the free
+        slots and their ``cost`` (prompt tokens to compute) what is left of ``budget``; never skips past
+        one that does not fit."""
         admitted: list[R] = []
-        free, tokens = self.free_slots, 0
+        free = self.free_slots
         while self.waiting:
             head = self.waiting[0]
-            if head.num_seqs > free or (admitted and tokens + head.prompt_len > self.max_prefill_tokens):
+            tokens = cost(head)
+            if head.num_seqs > free or tokens > budget:
                 break
             admitted.append(self.waiting.popleft())
             free -= head.num_seqs
-            tokens += head.prompt_len
+            budget -= tokens
         return admitted
+
+    def start_chunked(self) -> R | None:
+        """Pop the oldest request to prefill in chunks, its slots reserved until :meth:`unreserve`; None
+        while another one is (one at a time) or its sequences do not fit the free slots."""
+        if self.reserved or not self.waiting or self.waiting[0].num_seqs > self.free_slots:
+            return None
+        head = self.waiting.popleft()
+        self.reserved = head.num_seqs
+        return head
+
+    def unreserve(self) -> None:
+        """The chunked request is done (to be placed) or gone: its slots are free again."""
+        self.reserved = 0
 
     def place(self, seq: S) -> int:
         """Give a newly admitted sequence the next slot (admission already reserved it)."""

@@ -8,6 +8,13 @@ Postprocessing turns each sampled token into an :class:`EngineOutput` and decide
 the sampler (``sampler.py``) picks the tokens. Commands and steps add to one
 :class:`~pdserve.engine.messages.StepOutputs` that the driver takes once per step.
 
+Chunked prefill: a step computes at most ``max_num_batched_tokens`` tokens, the running
+sequences' decode rows first; what is left goes to the chunk of the one prompt being prefilled
+in chunks, then to whole waiting prompts that fit. A prompt longer than what is left is prefilled
+in chunks over the next steps, into a staging slot past the running ones (so every decode step
+still reads slots ``0..B-1`` as one view), and copied into its running slot when its last chunk
+has run; the streams already running keep their pace meanwhile.
+
 A step reads as nano-vllm's: schedule (admit) → run the model (prefill, decode) → sample →
 route the outputs (finish reasons, retire). The P/D KV hand-off is hooks at those seams
 (:mod:`pdserve.engine.kv.hooks`): with ``--kv-transfer`` a prefill leg's prompt KV is exported
@@ -21,6 +28,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +37,7 @@ from pdserve.engine.kv.handoff import KVHandoff
 from pdserve.engine.kv.hooks import KVHandoffHooks, NoKVHandoff
 from pdserve.engine.messages import RequestFailed, StepOutputs
 from pdserve.engine.models import KVCache, LlamaForCausalLM
+from pdserve.engine.models.llama import PromptChunk
 from pdserve.engine.request_ids import matching
 from pdserve.engine.sampler import GREEDY_TEMPERATURE, SequenceState, request_rules, sample, token_logprobs
 from pdserve.engine.scheduler import Scheduler
@@ -42,10 +51,23 @@ from pdserve.protocol.engine import (
     SequenceSampling,
 )
 
-# Prompt tokens prefilled in one step beyond the first admitted request.
-MAX_PREFILL_TOKENS = 2048
+# Tokens one step computes (decode rows and prompt chunks), unless --max-num-batched-tokens says otherwise.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # Rows of prompt logits materialised at once for prompt_logprobs.
 PROMPT_LOGPROBS_CHUNK = 256
+
+
+@dataclass(eq=False)
+class ChunkedPrefill:
+    """The one request whose prompt is prefilled in chunks: how far it got, and its prompt logprobs so far."""
+
+    request: ScheduledRequest
+    computed: int = 0
+    prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
+
+    @property
+    def remaining(self) -> int:
+        return self.request.prompt_len - self.computed
 
 
 class StepLoop:
@@ -60,12 +82,15 @@ class StepLoop:
         self.model = model
         self.info = info
         self.max_model_len = info.max_model_len
+        # At least max_num_seqs (TorchSetup checks it): every running sequence decodes a token each step.
+        self.max_batched_tokens = info.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         self.primary_eos = info.eos_token_ids[0] if info.eos_token_ids else None
         self.eos_ids = frozenset(info.eos_token_ids)
-        self.cache = KVCache(model.cfg, info.max_num_seqs, info.max_model_len, model.dtype)
-        self.scheduler: Scheduler[ScheduledRequest, ScheduledSequence] = Scheduler(
-            info.max_num_seqs, MAX_PREFILL_TOKENS
-        )
+        # One slot per running sequence, and the staging slot of the prompt being prefilled in chunks.
+        self.cache = KVCache(model.cfg, info.max_num_seqs + 1, info.max_model_len, model.dtype)
+        self.staging_slot = info.max_num_seqs
+        self.scheduler: Scheduler[ScheduledRequest, ScheduledSequence] = Scheduler(info.max_num_seqs)
+        self.chunked: ChunkedPrefill | None = None
         self.requests: dict[str, ScheduledRequest] = {}
         self._seed_source = random.Random(seed)
         self._out = StepOutputs()
@@ -135,7 +160,7 @@ class StepLoop:
                 self._retire(seq)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self.kv.pending()
+        return self.scheduler.has_work() or self.chunked is not None or self.kv.pending()
 
     def poll(self) -> None:
         """Between steps, working or idle: free pulled and expired leases, admit prefill legs that fit now."""
@@ -143,6 +168,8 @@ class StepLoop:
 
     def stats(self) -> EngineStats:
         running = {s.request.request_id for s in self.scheduler.running}
+        if self.chunked is not None:
+            running.add(self.chunked.request.request_id)
         return EngineStats(
             running_requests=len(running),
             waiting_requests=len(self.scheduler.waiting),
@@ -156,11 +183,25 @@ class StepLoop:
     @torch.inference_mode()
     def step(self) -> None:
         self.kv.before_step()
-        admitted = self.scheduler.admit()
+        budget = self.max_batched_tokens - len(self.scheduler.running)  # the running sequences' decode rows first
+        chunk = min(budget, self.chunked.remaining) if self.chunked is not None else 0
+        budget -= chunk
+        admitted = self.scheduler.admit(budget, self._prompt_cost)
         if admitted:
+            budget -= sum(map(self._prompt_cost, admitted))
             self._prefill(admitted)
-        if self.scheduler.running:
-            self._decode()
+        if self.chunked is None and budget > 0 and self.scheduler.waiting and self._prompt_cost(self.scheduler.waiting[0]) > budget:
+            req = self.scheduler.start_chunked()
+            if req is not None:
+                req.scheduled_at = time.monotonic()
+                self.chunked = ChunkedPrefill(req)
+                chunk = budget
+        if self.scheduler.running or chunk:
+            self._decode(chunk)
+
+    def _prompt_cost(self, req: ScheduledRequest) -> int:
+        """Prompt tokens a request's admission computes: none for a decode leg whose KV was pulled."""
+        return 0 if self.kv.pulled(req) else req.prompt_len
 
     def take_outputs(self) -> StepOutputs:
         out, self._out = self._out, StepOutputs()
@@ -178,6 +219,29 @@ class StepLoop:
                 computed.append((req, live))
         if computed:
             self._compute_prompts(computed)
+
+    def _after_chunk(self, hidden: torch.Tensor, size: int) -> None:
+        """The next ``size`` positions of the prompt being prefilled in chunks ran (``hidden``, into the
+        staging slot); after its last chunk the request is placed and samples its first tokens."""
+        chunk = self.chunked
+        assert chunk is not None
+        req, start = chunk.request, chunk.computed
+        self._prompt_tokens_computed += size
+        if req.sampling.prompt_logprobs is not None:
+            chunk.prompt_logprobs += self._prompt_logprobs(req, hidden, start)
+        chunk.computed += size
+        if chunk.remaining:
+            return
+        self.chunked = None
+        self.scheduler.unreserve()
+        live = [s for s in req.sequences if s.live]
+        for seq in live:
+            self.scheduler.place(seq)
+            self.cache.copy_slot(self.staging_slot, seq.slot, req.prompt_len)
+            seq.num_cached = req.prompt_len
+        logits = self.model.logits(hidden[-1:])
+        prompt_logprobs = {req: chunk.prompt_logprobs} if req.sampling.prompt_logprobs is not None else {}
+        self._sample_and_emit(live, logits.expand(len(live), -1), prompt_logprobs)
 
     def _compute_prompts(self, batch: list[tuple[ScheduledRequest, list[ScheduledSequence]]]) -> None:
         """Prefill the prompts together (each into its first live sequence's slot, copied to the
@@ -202,16 +266,27 @@ class StepLoop:
             logit_rows.extend([row] * len(live))
         self._sample_and_emit(seqs, last_logits[logit_rows], prompt_logprobs)
 
-    def _decode(self) -> None:
+    def _decode(self, chunk: int) -> None:
+        """One decode row per running sequence and, when ``chunk``, the next ``chunk`` positions of the prompt
+        being prefilled in chunks: one pass through the weights for both (:meth:`LlamaForCausalLM.step`)."""
         running = list(self.scheduler.running)
         # A pulled decode leg has no output yet: its first step runs the last prompt token.
         tokens = torch.tensor([s.output[-1] if s.output else s.request.prompt[-1] for s in running], dtype=torch.long)
         positions = torch.tensor([s.num_cached for s in running], dtype=torch.long)
-        hidden = self.model.decode(tokens, positions, self.cache)
+        prompt_chunk = None
+        if chunk:
+            assert self.chunked is not None
+            start = self.chunked.computed
+            ids = torch.tensor(self.chunked.request.prompt[start : start + chunk], dtype=torch.long)
+            prompt_chunk = PromptChunk(ids, start, self.staging_slot)
+        hidden, chunk_hidden = self.model.step(tokens, positions, prompt_chunk, self.cache)
         for seq in running:
             seq.num_cached += 1
         self.kv.after_decode(running)
-        self._sample_and_emit(running, self.model.logits(hidden), {})
+        if running:
+            self._sample_and_emit(running, self.model.logits(hidden), {})
+        if chunk_hidden is not None:
+            self._after_chunk(chunk_hidden, chunk)
 
     def _sample_and_emit(
         self,
@@ -257,12 +332,17 @@ class StepLoop:
             return "length", None
         return None, None
 
-    def _prompt_logprobs(self, req: ScheduledRequest, hidden: torch.Tensor) -> list[PositionLogprobs | None]:
+    def _prompt_logprobs(
+        self, req: ScheduledRequest, hidden: torch.Tensor, offset: int = 0
+    ) -> list[PositionLogprobs | None]:
+        """The prompt logprobs ``hidden`` (the prompt's rows from position ``offset``) gives: each row scores
+        the next prompt token; position 0 has none."""
         k = req.sampling.prompt_logprobs
-        result: list[PositionLogprobs | None] = [None]
-        for start in range(0, req.prompt_len - 1, PROMPT_LOGPROBS_CHUNK):
-            end = min(start + PROMPT_LOGPROBS_CHUNK, req.prompt_len - 1)
-            logits = self.model.logits(hidden[start:end])
+        result: list[PositionLogprobs | None] = [None] if offset == 0 else []
+        last = min(offset + hidden.shape[0], req.prompt_len - 1)  # the prompt's last row scores no prompt token
+        for start in range(offset, last, PROMPT_LOGPROBS_CHUNK):
+            end = min(start + PROMPT_LOGPROBS_CHUNK, last)
+            logits = self.model.logits(hidden[start - offset : end - offset])
             result.extend(token_logprobs(logits, req.prompt[start + 1 : end + 1], [k] * (end - start)))
         return result
 
@@ -287,6 +367,9 @@ class StepLoop:
     def _finish_request_if_done(self, req: ScheduledRequest) -> None:
         if not any(s.live for s in req.sequences) and self.requests.pop(req.request_id, None) is not None:
             self.scheduler.remove_waiting(req.request_id)
+            if self.chunked is not None and self.chunked.request is req:  # aborted or stopped mid-prefill
+                self.chunked = None
+                self.scheduler.unreserve()
             self.kv.forget(req)
             self._out.finished.append(req.request_id)
 

@@ -166,6 +166,9 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     max_model_len: int
     max_num_seqs: int
     eos_token_ids: list[int]
+    # Tokens one engine step computes, decode rows and prompt chunks (--max-num-batched-tokens); None: the
+    # engine has no such budget (scripted) or its own default.
+    max_num_batched_tokens: int | None = None
     # Threads the model's ops run on (sized from the engine process's CPU affinity); None: no model.
     intra_op_threads: int | None = None
     # Where other engines pull this engine's KV from (``--kv-transfer`` on the torch engine).

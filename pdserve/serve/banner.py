@@ -22,8 +22,10 @@ def _engine_line(state: AppState) -> str:
     spec = state.config.engine
     invariant = ", batch-invariant" if spec is not None and spec.batch_invariant else ""
     dtype = f", {spec.dtype} ({spec.dtype_reason})" if spec is not None and kind != "scripted" else ""
+    batched = (f", {info.max_num_batched_tokens} tokens per step (longer prompts prefill in chunks)"
+               if info.max_num_batched_tokens else "")
     return (f"{kind} ({where}{threads}{invariant}{dtype}); max_model_len {info.max_model_len}, "
-            f"max_num_seqs {info.max_num_seqs}")
+            f"max_num_seqs {info.max_num_seqs}{batched}")
 
 
 def _kv_line(state: AppState) -> str:

@@ -140,6 +140,11 @@ def add_server_commands(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--tokens-only", action="store_true", help="no tokenizer: token ids in and out only")
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=16)
+    serve.add_argument(
+        "--max-num-batched-tokens", type=int, default=None,
+        help="tokens one engine step computes: the running sequences' decode rows, then chunks of waiting prompts "
+        "(a longer prompt is prefilled in chunks over several steps; torch default 2048)",
+    )
     serve.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                        help="the model's compute dtype; auto: bfloat16 where the CPU computes it (AVX512-BF16 or AMX), "
                        "else float32 (bfloat16 would be emulated, and slower)")
@@ -211,6 +216,8 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
             raise ValueError("--batch-invariant is a torch engine mode; --engine scripted has no model to run")
         if args.kv_transfer:
             raise ValueError("--kv-transfer hands off a model's KV; --engine scripted has none (use --engine torch)")
+        if args.max_num_batched_tokens is not None:
+            raise ValueError("--max-num-batched-tokens budgets a model's steps; --engine scripted has none")
         script = script or demo_script_path()
         tokenizer = tokenizer or "qwen3"
     if engine_kind == "vllm":
@@ -223,6 +230,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         step_ms=args.step_ms,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=dtype.dtype,
         dtype_reason=dtype.reason,
         batch_invariant=args.batch_invariant,

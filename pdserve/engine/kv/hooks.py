@@ -13,6 +13,7 @@ order a request meets them:
   request to the scheduler to prefill here, ``fail`` ends it through the loop's ``fail`` callback.
 * ``poll()`` (every turn) and ``before_step()`` (every step): leases freed, waiting prefill legs
   admitted, pulls moved on; a pulled request then enters the scheduler.
+* ``pulled(req)``: its KV was pulled, so admitting it computes no prompt token (the step's budget).
 * ``load_prompt(req, live)``: at admission, True when the request's prompt KV was pulled and is now
   copied into its slots instead of computed.
 * ``after_decode(running)``: a pulled leg's first decode step ran its last prompt token; the KV the
@@ -66,6 +67,9 @@ class NoKVHandoff:
 
     def before_step(self) -> None:
         pass
+
+    def pulled(self, req: ScheduledRequest) -> bool:
+        return False
 
     def load_prompt(self, req: ScheduledRequest, live: list[ScheduledSequence]) -> bool:
         return False
@@ -158,6 +162,10 @@ class KVHandoffHooks:
                 self._pull_failed(req, reason)
 
     # -- the step --------------------------------------------------------------------------
+
+    def pulled(self, req: ScheduledRequest) -> bool:
+        """Its prompt's KV waits in the pool: admitting it computes no prompt token."""
+        return req in self._pulled
 
     def load_prompt(self, req: ScheduledRequest, live: list[ScheduledSequence]) -> bool:
         """A pulled decode leg's "prefill": the prompt's KV copied into its slots. The last prompt

@@ -38,6 +38,9 @@ pin_mkl_code_path()  # before any torch op of the process: MKL reads its mode at
 # see a new shape at most every this many steps (oneDNN compiles a kernel per matmul shape).
 # The padding costs attention time: 16 instead of 64 saved ~3% of a batch-8 SmolLM2 step.
 ATTENTION_SPAN_ALIGN = 16
+# SDPA's CPU flash kernel splits the keys into blocks of up to this many (fewer when the span is shorter,
+# which rounds differently): a chunked prefill's key span is a whole number of them.
+PREFILL_KEY_BLOCK = 512
 # Largest decode batch computed in one pass (rows beyond run in further passes).
 DECODE_MICROBATCH = 64
 # Rows of every linear-layer kernel call in the batch-invariant mode: the default max_num_seqs,
@@ -200,6 +203,15 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class PromptChunk:
+    """Positions ``[start, start + len(ids))`` of a prompt prefilled in chunks, computed into ``slot``."""
+
+    ids: torch.Tensor
+    start: int
+    slot: int
+
+
 class LlamaForCausalLM:
     """Inference-only Llama; also the base class of :class:`~pdserve.engine.models.qwen3.Qwen3ForCausalLM`."""
 
@@ -216,6 +228,7 @@ class LlamaForCausalLM:
         batch_invariant: bool = False,
     ) -> None:
         self.cfg, self.dtype = cfg, dtype
+        self.batch_invariant = batch_invariant
         remaining = dict(state)
         fixed_rows = INVARIANT_ROWS if batch_invariant else None
 
@@ -328,14 +341,92 @@ class LlamaForCausalLM:
         positions = torch.cat([torch.arange(n) for n in lengths])
         row_slots = torch.tensor(slots).repeat_interleave(torch.tensor(lengths))
         flat_rows = cache.flat_rows(row_slots, positions)
+        masks = [self._chunk_mask(torch.arange(n), cache.max_len) for n in lengths] if self.batch_invariant else []
         cos, sin = self._rope_tables(positions)
         x = F.embedding(token_ids, self.embed)
         for i, layer in enumerate(self.layers):
             heads = self._project(layer, x, cos, sin)
             cache.store(i, flat_rows, heads[:, cfg.num_heads :])
-            x = x + layer.o(self._prompt_attention(heads, lengths))
+            if self.batch_invariant:  # as a later chunk computes its rows (prefill_chunk): the same bits
+                attn = torch.cat([self._cached_attention(cache, i, slot, rows[:, : cfg.num_heads], mask)
+                                  for rows, slot, mask in zip(heads.split(list(lengths)), slots, masks, strict=True)])
+            else:
+                attn = self._prompt_attention(heads, lengths)
+            x = x + layer.o(attn)
             x = self._mlp(layer, x)
         return self._rms_norm(x, self.norm)
+
+    @torch.inference_mode()
+    def prefill_chunk(self, token_ids: torch.Tensor, start: int, slot: int, cache: KVCache) -> torch.Tensor:
+        """Run prompt positions ``[start, start + len(token_ids))`` into ``slot``, whose positions before
+        ``start`` hold the prompt's earlier chunks (chunked prefill); returns their final hidden states.
+
+        From position 0 this computes what :meth:`prefill_batch` does for one prompt. Later chunks attend
+        over the cached keys, each row up to its own position (a mask over the key span; keys past a row add
+        exact zeros). Their rows match an unchunked prefill's to rounding; bit for bit in the batch-invariant
+        mode, where :meth:`prefill_batch` computes its attention the same way (tests/unit/engine/test_models.py).
+        """
+        none = torch.empty(0, dtype=torch.long)
+        chunk_hidden = self.step(none, none, PromptChunk(token_ids, start, slot), cache)[1]
+        assert chunk_hidden is not None
+        return chunk_hidden
+
+    @torch.inference_mode()
+    def step(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, chunk: PromptChunk | None, cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One engine step: a decode row for each of slots ``0..B-1`` (:meth:`decode`) and, with ``chunk``,
+        a prompt chunk (:meth:`prefill_chunk`), in one pass through the weights: every linear runs over the
+        decode rows and the chunk's rows together, attention apart. Returns the decode rows' and the chunk's
+        final hidden states."""
+        rows = token_ids.shape[0]
+        if chunk is None:
+            return self.decode(token_ids, positions, cache), None
+        if rows > DECODE_MICROBATCH:  # a batch that takes several passes anyway: the chunk in one more
+            return self.decode(token_ids, positions, cache), self.step(token_ids[:0], positions[:0], chunk, cache)[1]
+        cfg, size = self.cfg, chunk.ids.shape[0]
+        chunk_positions = torch.arange(chunk.start, chunk.start + size)
+        all_positions = torch.cat([positions, chunk_positions])
+        flat_rows = cache.flat_rows(torch.cat([torch.arange(rows), torch.full((size,), chunk.slot)]), all_positions)
+        span, decode_mask = self._decode_mask(positions, cache) if rows else (0, None)
+        causal_own_rows = chunk.start == 0 and not self.batch_invariant  # as prefill_batch computes a prompt
+        chunk_mask = None if causal_own_rows else self._chunk_mask(chunk_positions, cache.max_len)
+        cos, sin = self._rope_tables(all_positions)
+        x = F.embedding(torch.cat([token_ids, chunk.ids]), self.embed)
+        for i, layer in enumerate(self.layers):
+            heads = self._project(layer, x, cos, sin)
+            cache.store(i, flat_rows, heads[:, cfg.num_heads :])
+            if chunk_mask is None:
+                attn = self._prompt_attention(heads[rows:], [size])
+            else:
+                attn = self._cached_attention(cache, i, chunk.slot, heads[rows:, : cfg.num_heads], chunk_mask)
+            if rows:
+                attn = torch.cat([self._decode_attention(cache, i, 0, heads[:rows], span, decode_mask), attn])
+            x = x + layer.o(attn)
+            x = self._mlp(layer, x)
+        hidden = self._rms_norm(x, self.norm)
+        return hidden[:rows], hidden[rows:]
+
+    def _chunk_mask(self, positions: torch.Tensor, max_len: int) -> torch.Tensor:
+        """``[1, 1, rows, span]``: row ``i`` (at ``positions[i]``) sees the keys up to its position. The span
+        is rounded up to whole blocks of SDPA's key split (:data:`PREFILL_KEY_BLOCK`), so a row meets the
+        same kernel blocks whatever chunk it is computed in."""
+        span = min(-(-(int(positions[-1]) + 1) // PREFILL_KEY_BLOCK) * PREFILL_KEY_BLOCK, max_len)
+        return (torch.arange(span)[None, :] <= positions[:, None])[None, None]
+
+    def _cached_attention(
+        self, cache: KVCache, layer: int, slot: int, queries: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of query rows ``[rows, heads, head_dim]`` over ``slot``'s cached keys, under ``mask``."""
+        end = mask.shape[-1]
+        attn = F.scaled_dot_product_attention(
+            queries.transpose(0, 1)[None],
+            cache.keys[layer, slot, :, :end][None],
+            cache.values[layer, slot, :, :end][None],
+            attn_mask=mask,
+            enable_gqa=True,
+        )[0]
+        return attn.transpose(0, 1).reshape(queries.shape[0], self._q_width)
 
     def _prompt_attention(self, heads: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """Causal attention of each prompt over its own rows of ``heads``: ``[rows, heads * head_dim]``."""
@@ -370,30 +461,43 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:
         cfg = self.cfg
         b = token_ids.shape[0]
-        longest = int(positions.max()) + 1
-        span = min(-(-longest // ATTENTION_SPAN_ALIGN) * ATTENTION_SPAN_ALIGN, cache.max_len)
+        span, mask = self._decode_mask(positions, cache)
         flat_rows = cache.flat_rows(torch.arange(first_slot, first_slot + b), positions)
-        # Additive mask over the padded key span: each row sees its own positions only.
-        mask = torch.zeros(b, 1, 1, span).masked_fill_(
-            (torch.arange(span)[None, :] > positions[:, None])[:, None, None, :], float("-inf")
-        )
         cos, sin = self._rope_tables(positions)
         x = F.embedding(token_ids, self.embed)
         for i, layer in enumerate(self.layers):
             heads = self._project(layer, x, cos, sin)
             cache.store(i, flat_rows, heads[:, cfg.num_heads :])
-            # SDPA's flash kernel reads the strided cache views in place; a bfloat16 torch.matmul
-            # copied both (oneDNN takes only contiguous batches), a third of a batch-8 step.
-            attn = F.scaled_dot_product_attention(
-                heads[:, : cfg.num_heads, None],
-                cache.keys[i, first_slot : first_slot + b, :, :span],
-                cache.values[i, first_slot : first_slot + b, :, :span],
-                attn_mask=mask,
-                enable_gqa=True,
-            )
-            x = x + layer.o(attn.reshape(b, self._q_width))
+            x = x + layer.o(self._decode_attention(cache, i, first_slot, heads, span, mask))
             x = self._mlp(layer, x)
         return self._rms_norm(x, self.norm)
+
+    @staticmethod
+    def _decode_mask(positions: torch.Tensor, cache: KVCache) -> tuple[int, torch.Tensor]:
+        """The padded key span of a decode batch and its additive mask: each row sees its own positions only."""
+        b = positions.shape[0]
+        longest = int(positions.max()) + 1
+        span = min(-(-longest // ATTENTION_SPAN_ALIGN) * ATTENTION_SPAN_ALIGN, cache.max_len)
+        mask = torch.zeros(b, 1, 1, span).masked_fill_(
+            (torch.arange(span)[None, :] > positions[:, None])[:, None, None, :], float("-inf")
+        )
+        return span, mask
+
+    def _decode_attention(
+        self, cache: KVCache, layer: int, first_slot: int, heads: torch.Tensor, span: int, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of decode rows (their ``heads``, slots from ``first_slot``) over their cached keys."""
+        b = heads.shape[0]
+        # SDPA's flash kernel reads the strided cache views in place; a bfloat16 torch.matmul
+        # copied both (oneDNN takes only contiguous batches), a third of a batch-8 step.
+        attn = F.scaled_dot_product_attention(
+            heads[:, : self.cfg.num_heads, None],
+            cache.keys[layer, first_slot : first_slot + b, :, :span],
+            cache.values[layer, first_slot : first_slot + b, :, :span],
+            attn_mask=mask,
+            enable_gqa=True,
+        )
+        return attn.reshape(b, self._q_width)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from pdserve.engine.kv.pool import KVBlockPool
 from pdserve.engine.kv.transport import NixlTransport
 from pdserve.engine.models import LlamaForCausalLM, load_model, model_config
 from pdserve.engine.spec import EngineSpec, KVTransferSpec
-from pdserve.engine.step_loop import StepLoop
+from pdserve.engine.step_loop import DEFAULT_MAX_NUM_BATCHED_TOKENS, StepLoop
 from pdserve.engine.threads import configure_torch_threads
 from pdserve.protocol.engine import EngineInfo
 from pdserve.protocol.kv import KVLayout
@@ -78,6 +78,7 @@ class TorchSetup:
         dtype: str = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = 16,
+        max_num_batched_tokens: int | None = None,
         seed: int = 0,
         batch_invariant: bool = False,
         kv_transfer: KVTransferSpec | None = None,
@@ -87,11 +88,15 @@ class TorchSetup:
         limit = facts.max_position_embeddings
         if max_model_len is not None and not 1 < max_model_len <= limit:
             raise ValueError(f"max_model_len must be between 2 and the model's {limit}; got {max_model_len}")
+        if max_num_batched_tokens is not None and max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least --max-num-seqs "
+                             f"({max_num_seqs}): every running sequence decodes a token each step")
         info = EngineInfo(
             model_name=model_display_name(model),
             vocab_size=facts.vocab_size,
             max_model_len=max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN_CAP),
             max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             eos_token_ids=list(facts.eos_token_ids),
             kv_role=kv_transfer.role if kv_transfer is not None else "both",
         )
@@ -104,6 +109,7 @@ class TorchSetup:
             dtype=spec.dtype,
             max_model_len=spec.max_model_len,
             max_num_seqs=spec.max_num_seqs,
+            max_num_batched_tokens=spec.max_num_batched_tokens,
             seed=spec.seed,
             batch_invariant=spec.batch_invariant,
             kv_transfer=spec.kv_transfer,

@@ -127,6 +127,7 @@ def model_info(model_dir: Path, spec: EngineSpec) -> EngineInfo:
         vocab_size=int(config["vocab_size"]),
         max_model_len=spec.max_model_len or int(config.get("max_position_embeddings", 2048)),
         max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
         eos_token_ids=model_eos_ids(model_dir),
     )
 
@@ -246,6 +247,7 @@ class VllmEngine:
             served_model_name=[self.info.model_name],
             max_model_len=self.spec.max_model_len,
             max_num_seqs=self.spec.max_num_seqs,
+            max_num_batched_tokens=self.spec.max_num_batched_tokens,  # None: vLLM's own default
             dtype=self.spec.dtype,
             seed=self.spec.seed,
             enforce_eager=True,

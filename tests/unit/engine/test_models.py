@@ -305,3 +305,48 @@ def test_unsupported_configs_fail_clearly() -> None:
         ValueError, match="unsupported architecture 'GPT2LMHeadModel'; supported: LlamaForCausalLM, Qwen3"
     ):
         model_config(base | {"architectures": ["GPT2LMHeadModel"]})
+
+
+# A prompt past two of SDPA's 512-key blocks, and room behind it.
+CHUNKED_PROMPT, CHUNKED_CACHE = 1100, 2048
+
+
+@functools.cache
+def _unchunked(cls: type[LlamaForCausalLM], dtype: torch.dtype, batch_invariant: bool
+               ) -> tuple[LlamaForCausalLM, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A model, a prompt, its unchunked prefill's hidden states and KV cache."""
+    model = _random_model(cls, dtype, batch_invariant=batch_invariant, max_positions=CHUNKED_CACHE)
+    ids = torch.randint(0, 1000, (CHUNKED_PROMPT,), generator=torch.Generator().manual_seed(5))
+    cache = KVCache(model.cfg, 1, CHUNKED_CACHE, dtype)
+    hidden = model.prefill(ids, cache, 0)
+    return model, ids, hidden, cache.data[:, :, 0, :, :CHUNKED_PROMPT].clone()
+
+
+def _chunked(model: LlamaForCausalLM, ids: torch.Tensor, sizes: list[int], dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    cache, outs, start = KVCache(model.cfg, 2, CHUNKED_CACHE, dtype), [], 0
+    for size in [*sizes, ids.shape[0]]:  # the rest in one last chunk
+        end = min(start + size, ids.shape[0])
+        if end > start:
+            outs.append(model.prefill_chunk(ids[start:end], start, 1, cache))
+        start = end
+    return torch.cat(outs), cache.data[:, :, 1, :, : ids.shape[0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cls", [LlamaForCausalLM, Qwen3ForCausalLM])
+@settings(max_examples=6, deadline=None)
+@given(sizes=st.lists(st.integers(1, 700), min_size=1, max_size=5))
+def test_batch_invariant_chunked_prefill_gives_the_unchunked_bits_for_any_chunking(
+    cls: type[LlamaForCausalLM], dtype: torch.dtype, sizes: list[int]
+) -> None:
+    model, ids, hidden, kv = _unchunked(cls, dtype, True)
+    chunked_hidden, chunked_kv = _chunked(model, ids, sizes, dtype)
+    assert torch.equal(chunked_hidden, hidden) and torch.equal(chunked_kv, kv)
+
+
+@pytest.mark.parametrize("cls", [LlamaForCausalLM, Qwen3ForCausalLM])
+def test_default_chunked_prefill_is_within_rounding_of_unchunked(cls: type[LlamaForCausalLM]) -> None:
+    model, ids, hidden, kv = _unchunked(cls, torch.float32, False)
+    chunked_hidden, chunked_kv = _chunked(model, ids, [300, 257, 513], torch.float32)
+    assert torch.allclose(chunked_hidden, hidden, atol=1e-4) and torch.allclose(chunked_kv, kv, atol=1e-4)

@@ -1,4 +1,5 @@
-"""Scheduler bookkeeping: FCFS admission by free slots, prefill budget, dense slots."""
+"""Scheduler bookkeeping: FCFS admission by free slots and the step's token budget, one chunked prefill at a
+time with its slots reserved, dense slots."""
 
 from dataclasses import dataclass
 
@@ -14,6 +15,10 @@ class Req:
     prompt_len: int = 10
 
 
+def prompt_cost(r: Req) -> int:  # the cost the step loop passes: prompt tokens to compute
+    return r.prompt_len
+
+
 @dataclass(eq=False)
 class Seq:
     name: str
@@ -21,29 +26,48 @@ class Seq:
 
 
 def test_admission_is_fcfs_and_never_skips_a_request_that_does_not_fit() -> None:
-    s: Scheduler[Req, Seq] = Scheduler(max_num_seqs=4, max_prefill_tokens=1000)
+    s: Scheduler[Req, Seq] = Scheduler(max_num_seqs=4)
     for req in (Req("a", 3), Req("b", 2), Req("c", 1)):
         s.add(req)
-    assert [r.request_id for r in s.admit()] == ["a"]
+    assert [r.request_id for r in s.admit(1000, prompt_cost)] == ["a"]
     for i in range(3):
         s.place(Seq(f"a{i}"))
     # b needs 2 slots, only 1 is free: c (which would fit) must not overtake it.
-    assert s.admit() == []
+    assert s.admit(1000, prompt_cost) == []
     assert [r.request_id for r in s.waiting] == ["b", "c"]
 
 
-def test_prefill_budget_limits_requests_per_step_but_always_admits_one() -> None:
-    s: Scheduler[Req, Seq] = Scheduler(max_num_seqs=8, max_prefill_tokens=100)
-    s.add(Req("big", prompt_len=500))
+def test_the_token_budget_admits_whole_prompts_in_order_and_a_longer_one_waits_for_chunks() -> None:
+    s: Scheduler[Req, Seq] = Scheduler(max_num_seqs=8)
     s.add(Req("x", prompt_len=60))
-    s.add(Req("y", prompt_len=60))
-    assert [r.request_id for r in s.admit()] == ["big"]
-    assert [r.request_id for r in s.admit()] == ["x"]
-    assert [r.request_id for r in s.admit()] == ["y"]
+    s.add(Req("big", prompt_len=500))
+    s.add(Req("y", prompt_len=10))
+    assert [r.request_id for r in s.admit(100, prompt_cost)] == ["x"]  # big does not fit what is left; y waits behind it
+    assert s.admit(100, prompt_cost) == []
+    big = s.start_chunked()
+    assert big is not None and big.request_id == "big" and s.reserved == 1 and s.free_slots == 7
+    assert s.start_chunked() is None  # one chunked prefill at a time
+    assert [r.request_id for r in s.admit(100, prompt_cost)] == ["y"]  # the queue moves on beside it
+    s.unreserve()
+    assert s.free_slots == 8
+
+
+def test_a_pulled_decode_leg_costs_no_prompt_tokens() -> None:
+    s: Scheduler[Req, Seq] = Scheduler(max_num_seqs=8)
+    s.add(Req("pulled", prompt_len=5000))
+    assert [r.request_id for r in s.admit(10, lambda r: 1)] == ["pulled"]
+
+
+def test_reserved_slots_hold_back_admission() -> None:
+    s: Scheduler[Req, Seq] = Scheduler(max_num_seqs=3)
+    s.add(Req("long", num_seqs=2, prompt_len=900))
+    s.add(Req("pair", num_seqs=2))
+    assert s.start_chunked() is not None and s.free_slots == 1
+    assert s.admit(1000, prompt_cost) == [] and s.start_chunked() is None
 
 
 def test_release_keeps_slots_dense_and_reports_the_move() -> None:
-    s: Scheduler[Req, Seq] = Scheduler(max_num_seqs=4, max_prefill_tokens=1000)
+    s: Scheduler[Req, Seq] = Scheduler(max_num_seqs=4)
     seqs = [Seq(str(i)) for i in range(4)]
     for seq in seqs:
         s.place(seq)
@@ -56,7 +80,7 @@ def test_release_keeps_slots_dense_and_reports_the_move() -> None:
 
 
 def test_remove_waiting_and_limits() -> None:
-    s: Scheduler[Req, Seq] = Scheduler(max_num_seqs=2, max_prefill_tokens=1000)
+    s: Scheduler[Req, Seq] = Scheduler(max_num_seqs=2)
     s.add(Req("a"))
     assert s.remove_waiting("a") == Req("a")
     assert s.remove_waiting("a") is None and not s.has_work()
