@@ -312,6 +312,11 @@ class VllmEngine:
                 priority=request.priority,
             )
             async for out in _vllm_outputs(stream):
+                if live.abort_cause is not None:
+                    # Aborted: end the stream here whatever vLLM does next. vLLM 0.32 sometimes loses an abort
+                    # and runs the request on to its length (conformance kit, abort.stream); the finally
+                    # below aborts it in vLLM once more.
+                    break
                 for seq in out.outputs:
                     if seq.index in stopped:
                         continue
