@@ -43,8 +43,7 @@ async def _interference(engine: Engine, chats: list[list[int]], long_prompt: lis
     async def stream(i: int) -> None:
         sampling = SequenceSampling(max_tokens=100_000, temperature=0.0, ignore_eos=True)
         request = EngineRequest(request_id=f"stream-{i}", prompt_token_ids=chats[i % len(chats)], sampling=sampling)
-        iterator = engine.generate(request)
-        async for output in iterator:
+        async for output in engine.generate(request):
             arrivals[i].extend([time.perf_counter()] * len(output.new_token_ids))
             if all(len(a) >= warmup_tokens for a in arrivals.values()):
                 warmed.set()
@@ -63,8 +62,9 @@ async def _interference(engine: Engine, chats: list[list[int]], long_prompt: lis
 
     await asyncio.gather(*(stream(i) for i in range(streams)), long_request())
     sent, first = window[0], window[1]
-    gaps = [b - a for times in arrivals.values() for a, b in zip(times, times[1:], strict=False) if b > sent and a < first]
-    steady = [b - a for times in arrivals.values() for a, b in zip(times, times[1:], strict=False) if b <= sent][-streams * 8:]
+    pairs = [(a, b) for times in arrivals.values() for a, b in zip(times, times[1:], strict=False)]
+    gaps = [b - a for a, b in pairs if b > sent and a < first]
+    steady = [b - a for a, b in pairs if b <= sent][-streams * 8 :]
     return {
         "ttft_s": first - sent,
         "itl_p50_s": statistics.median(gaps),

@@ -122,9 +122,8 @@ class EngineCoreClient:
         self._ctx = self._shared_ctx if self._shared_ctx is not None else zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        # Never block a send nor stall the core's ROUTER (which drops at its peer's high-water mark).
+        # Never block a send (the DEALER only sends: what the core sends back comes on the output stream).
         self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.connect(self.addresses.endpoint)
         self._ready = self._loop.create_future()
         listener, name = listening_socket()

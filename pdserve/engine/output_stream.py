@@ -107,7 +107,7 @@ class FrameReader:
 
         Raises :class:`OutputStreamClosed` at the end of the stream.
         """
-        self._make_room(READ_CHUNK_BYTES)
+        self._make_room()
         try:
             count = sock.recv_into(memoryview(self._buffer)[self._end :])
         except BlockingIOError:
@@ -115,13 +115,6 @@ class FrameReader:
         if count == 0:
             raise OutputStreamClosed("the core closed its output stream")
         self._end += count
-        return self._frames()
-
-    def feed(self, data: bytes) -> list[bytes]:
-        """The same as :meth:`read_from`, from bytes already read (tests feed any chunking)."""
-        self._make_room(len(data))
-        self._buffer[self._end : self._end + len(data)] = data
-        self._end += len(data)
         return self._frames()
 
     def _frames(self) -> list[bytes]:
@@ -136,9 +129,9 @@ class FrameReader:
         self._start = start
         return frames
 
-    def _make_room(self, wanted: int) -> None:
-        """Move the partial frame to the front; grow the buffer for ``wanted`` more bytes (or the rest
-        of a frame longer than that)."""
+    def _make_room(self) -> None:
+        """Move the partial frame to the front; grow the buffer for a read of :data:`READ_CHUNK_BYTES` (or
+        the rest of a frame longer than that)."""
         partial = self._end - self._start
         if self._start:
             self._buffer[:partial] = self._buffer[self._start : self._end]
@@ -146,6 +139,6 @@ class FrameReader:
         frame_rest = 0
         if partial >= _HEADER:
             frame_rest = _HEADER + int.from_bytes(self._buffer[:_HEADER], "little") - partial
-        need = partial + max(wanted, frame_rest)
+        need = partial + max(READ_CHUNK_BYTES, frame_rest)
         if need > len(self._buffer):
             self._buffer.extend(bytes(need - len(self._buffer)))

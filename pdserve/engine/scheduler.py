@@ -28,9 +28,6 @@ class Waiting(Protocol):
     @property
     def num_seqs(self) -> int: ...
 
-    @property
-    def prompt_len(self) -> int: ...
-
 
 class Placed(Protocol):
     """A running sequence: the scheduler keeps its ``slot`` up to date."""

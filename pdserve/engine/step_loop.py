@@ -51,8 +51,6 @@ from pdserve.protocol.engine import (
     SequenceSampling,
 )
 
-# Tokens one step computes (decode rows and prompt chunks), unless --max-num-batched-tokens says otherwise.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # Rows of prompt logits materialised at once for prompt_logprobs.
 PROMPT_LOGPROBS_CHUNK = 256
 
@@ -82,8 +80,9 @@ class StepLoop:
         self.model = model
         self.info = info
         self.max_model_len = info.max_model_len
-        # At least max_num_seqs (TorchSetup checks it): every running sequence decodes a token each step.
-        self.max_batched_tokens = info.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        # TorchSetup sets it, at least max_num_seqs: every running sequence decodes a token each step.
+        assert info.max_num_batched_tokens is not None
+        self.max_batched_tokens = info.max_num_batched_tokens
         self.primary_eos = info.eos_token_ids[0] if info.eos_token_ids else None
         self.eos_ids = frozenset(info.eos_token_ids)
         # One slot per running sequence, and the staging slot of the prompt being prefilled in chunks.

@@ -347,7 +347,7 @@ class LlamaForCausalLM:
         for i, layer in enumerate(self.layers):
             heads = self._project(layer, x, cos, sin)
             cache.store(i, flat_rows, heads[:, cfg.num_heads :])
-            if self.batch_invariant:  # as a later chunk computes its rows (prefill_chunk): the same bits
+            if self.batch_invariant:  # as a later chunk computes its rows (step): the same bits
                 attn = torch.cat([self._cached_attention(cache, i, slot, rows[:, : cfg.num_heads], mask)
                                   for rows, slot, mask in zip(heads.split(list(lengths)), slots, masks, strict=True)])
             else:
@@ -357,28 +357,20 @@ class LlamaForCausalLM:
         return self._rms_norm(x, self.norm)
 
     @torch.inference_mode()
-    def prefill_chunk(self, token_ids: torch.Tensor, start: int, slot: int, cache: KVCache) -> torch.Tensor:
-        """Run prompt positions ``[start, start + len(token_ids))`` into ``slot``, whose positions before
-        ``start`` hold the prompt's earlier chunks (chunked prefill); returns their final hidden states.
-
-        From position 0 this computes what :meth:`prefill_batch` does for one prompt. Later chunks attend
-        over the cached keys, each row up to its own position (a mask over the key span; keys past a row add
-        exact zeros). Their rows match an unchunked prefill's to rounding; bit for bit in the batch-invariant
-        mode, where :meth:`prefill_batch` computes its attention the same way (tests/unit/engine/test_models.py).
-        """
-        none = torch.empty(0, dtype=torch.long)
-        chunk_hidden = self.step(none, none, PromptChunk(token_ids, start, slot), cache)[1]
-        assert chunk_hidden is not None
-        return chunk_hidden
-
-    @torch.inference_mode()
     def step(
         self, token_ids: torch.Tensor, positions: torch.Tensor, chunk: PromptChunk | None, cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One engine step: a decode row for each of slots ``0..B-1`` (:meth:`decode`) and, with ``chunk``,
-        a prompt chunk (:meth:`prefill_chunk`), in one pass through the weights: every linear runs over the
-        decode rows and the chunk's rows together, attention apart. Returns the decode rows' and the chunk's
-        final hidden states."""
+        the next chunk of a prompt prefilled in chunks, in one pass through the weights: every linear runs
+        over the decode rows and the chunk's rows together, attention apart. Returns the decode rows' and the
+        chunk's final hidden states.
+
+        The chunk's slot holds the prompt's earlier chunks. From position 0 a chunk computes what
+        :meth:`prefill_batch` does for one prompt; later chunks attend over the cached keys, each row up to
+        its own position (a mask over the key span; keys past a row add exact zeros). Their rows match an
+        unchunked prefill's to rounding; bit for bit in the batch-invariant mode, where :meth:`prefill_batch`
+        computes its attention the same way (tests/unit/engine/test_models.py).
+        """
         rows = token_ids.shape[0]
         if chunk is None:
             return self.decode(token_ids, positions, cache), None
@@ -407,7 +399,8 @@ class LlamaForCausalLM:
         hidden = self._rms_norm(x, self.norm)
         return hidden[:rows], hidden[rows:]
 
-    def _chunk_mask(self, positions: torch.Tensor, max_len: int) -> torch.Tensor:
+    @staticmethod
+    def _chunk_mask(positions: torch.Tensor, max_len: int) -> torch.Tensor:
         """``[1, 1, rows, span]``: row ``i`` (at ``positions[i]``) sees the keys up to its position. The span
         is rounded up to whole blocks of SDPA's key split (:data:`PREFILL_KEY_BLOCK`), so a row meets the
         same kernel blocks whatever chunk it is computed in."""

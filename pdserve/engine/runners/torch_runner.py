@@ -30,7 +30,7 @@ from pdserve.engine.kv.pool import KVBlockPool
 from pdserve.engine.kv.transport import NixlTransport
 from pdserve.engine.models import LlamaForCausalLM, load_model, model_config
 from pdserve.engine.spec import EngineSpec, KVTransferSpec
-from pdserve.engine.step_loop import DEFAULT_MAX_NUM_BATCHED_TOKENS, StepLoop
+from pdserve.engine.step_loop import StepLoop
 from pdserve.engine.threads import configure_torch_threads
 from pdserve.protocol.engine import EngineInfo
 from pdserve.protocol.kv import KVLayout
@@ -39,6 +39,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Default context when --max-model-len is not given: the model's own, capped (the KV
 # cache reserves address space for max_num_seqs * max_model_len positions).
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
+# Tokens one engine step computes (decode rows and prompt chunks) when --max-num-batched-tokens is not given.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 log = logging.getLogger(__name__)
 

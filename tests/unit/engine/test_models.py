@@ -17,7 +17,7 @@ from pdserve.engine.models import (
     Qwen3ForCausalLM,
     model_config,
 )
-from pdserve.engine.models.llama import INVARIANT_ROWS, Linear
+from pdserve.engine.models.llama import INVARIANT_ROWS, Linear, PromptChunk
 from tests.unit.engine.rope_rows import permute_rope_rows
 
 # (out, in) of every linear in SmolLM2-135M (qkv, o, gate_up, down, lm_head) and qwen3-tiny.
@@ -325,10 +325,11 @@ def _unchunked(cls: type[LlamaForCausalLM], dtype: torch.dtype, batch_invariant:
 def _chunked(model: LlamaForCausalLM, ids: torch.Tensor, sizes: list[int], dtype: torch.dtype
              ) -> tuple[torch.Tensor, torch.Tensor]:
     cache, outs, start = KVCache(model.cfg, 2, CHUNKED_CACHE, dtype), [], 0
+    none = torch.empty(0, dtype=torch.long)  # no decode rows: the chunk alone
     for size in [*sizes, ids.shape[0]]:  # the rest in one last chunk
         end = min(start + size, ids.shape[0])
         if end > start:
-            outs.append(model.prefill_chunk(ids[start:end], start, 1, cache))
+            outs.append(model.step(none, none, PromptChunk(ids[start:end], start, 1), cache)[1])
         start = end
     return torch.cat(outs), cache.data[:, :, 1, :, : ids.shape[0]]
 
