@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,12 @@ LONG_LEGS = {
     "tokens": ("derender-tier", "/v1/chat/completions", _LONG_CHAT),
 }
 REPORT = os.environ.get("PDSERVE_FLEET_REPORT")
+
+
+def uncached(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` under a salt of its own: no member's prefix cache holds its blocks, so its prefill computes the
+    whole prompt and its decode leg pulls every block over the link (a warm decode cache would pull one)."""
+    return body | {"cache_salt": f"fault-{uuid.uuid4().hex}"}
 
 
 def report(fault: str, leg: str, saw: str, recover_s: float, command: str) -> None:
@@ -141,7 +148,7 @@ def _during_the_pull(fleet: Fleet, leg: str, prefill_fault: Callable[[HostMember
         prefill_fault(held[0])
 
     mode, path, body = LONG_LEGS[leg]
-    events = stream(fleet.proxies[mode].url + path, body, fault, after_output=False)
+    events = stream(fleet.proxies[mode].url + path, uncached(body), fault, after_output=False)
     took = time.monotonic() - start
     for prefill in fleet.prefills:
         prefill.host.link_up()
@@ -150,16 +157,34 @@ def _during_the_pull(fleet: Fleet, leg: str, prefill_fault: Callable[[HostMember
 
 
 def _whole_or_named(fleet: Fleet, mode: str, events: list[dict[str, Any]], want: dict[str, Any],
-                    moved_before: float) -> str:
-    """The answer is whole (the failed pull was an error event and the stream moved), or the error names
-    the KV pull; what the client saw, for the report."""
+                    moved_before: float, pulls_failed: float) -> str:
+    """The answer is whole, or the error names the KV pull; what the client saw, for the report. A whole
+    answer moved exactly when a decode member's pull failed (an error event): a member killed once its
+    last KV bytes were in its kernel's socket buffer still delivers them (TCP sends them on after the
+    process is gone), and then the pull succeeds and nothing moves."""
     last = events[-1]
     if "error" in last:
         assert last["error"]["code"] >= 500 and "KV" in last["error"]["message"], last
         return f"an error event naming it: {last['error']['message'][:80]}…"
     assert assembled(events) == want
-    assert migrations(fleet, mode, "error_event") == moved_before + 1
+    failed = sum(metric(d, "pdserve_kv_pulls_failed_total") for d in fleet.decodes) > pulls_failed
+    assert migrations(fleet, mode, "error_event") == moved_before + failed, _kv_counters(fleet, mode)
+    if not failed:
+        return "the whole answer: the KV had left the prefill host before it died (TCP delivered it), nothing moved"
     return "the whole answer: the decode member failed the pull (an error event), the stream moved"
+
+
+def _kv_counters(fleet: Fleet, mode: str) -> str:
+    """The proxy's moves and each member's pulls and leases: what a failed assertion needs to say."""
+    moves = httpx.get(fleet.proxies[mode].url + "/metrics", timeout=10).text
+    lines = [line for line in moves.splitlines() if line.startswith(("pdserve_proxy_migrations_total", "pdserve_proxy_retries_total", "pdserve_proxy_member_errors"))]
+    for m in fleet.members:
+        try:
+            text = httpx.get(m.url + "/metrics", timeout=10).text
+        except httpx.HTTPError as e:
+            text = repr(e)
+        lines.append(f"{m.url}: " + " ".join(line for line in text.splitlines() if line.startswith("pdserve_kv_")))
+    return "\n".join(lines)
 
 
 def _restart_now(prefill: HostMember) -> None:
@@ -179,13 +204,15 @@ SOURCE_FAULTS: dict[str, tuple[str, Callable[[HostMember], None]]] = {
 @pytest.mark.parametrize("leg", list(LONG_LEGS))
 def test_the_kv_source_goes_away_during_the_pull(healthy: Fleet, leg: str, fault: str) -> None:
     """(c) the peer is gone, (d) it went silent until --kv-pull-timeout-s, (f) it runs a new engine whose
-    leases are not the old one's: the decode member fails the leg with an error event, the stream moves."""
+    leases are not the old one's: the decode member fails the leg with an error event, the stream moves (or,
+    for (c) and (f), the KV was already on the wire and arrives whole: nothing moves)."""
     title, hit_it = SOURCE_FAULTS[fault]
     mode, path, body = LONG_LEGS[leg]
     want = assembled(stream(healthy.proxies[mode].url + path, body))
     moved = migrations(healthy, mode, "error_event")
+    pulls_failed = sum(metric(d, "pdserve_kv_pulls_failed_total") for d in healthy.decodes)
     events, took, hit = _during_the_pull(healthy, leg, hit_it)
-    saw = _whole_or_named(healthy, mode, events, want, moved)
+    saw = _whole_or_named(healthy, mode, events, want, moved, pulls_failed)
     if fault == "d-link-down":
         assert took >= PULL_TIMEOUT_S
     healthy.restart(hit)
@@ -198,12 +225,12 @@ def test_e_a_slow_kv_link_slows_the_answer_and_changes_nothing_else(healthy: Fle
     mode, path, body = LONG_LEGS[leg]
     url = healthy.proxies[mode].url + path
     start = time.monotonic()
-    want = assembled(stream(url, body))
+    want = assembled(stream(url, uncached(body)))
     fast = time.monotonic() - start
     for prefill in healthy.prefills:
         prefill.host.slow_link(rate="1mbit")
     start = time.monotonic()
-    got = assembled(stream(url, body))
+    got = assembled(stream(url, uncached(body)))
     slow = time.monotonic() - start
     assert got == want and slow > fast
     healthy.assert_nothing_leaked()
