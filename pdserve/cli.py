@@ -17,11 +17,13 @@ def build_parser() -> argparse.ArgumentParser:
     # __main__, and the bench modules (httpx clients, workloads) would only slow their start.
     from pdserve.bench.engine import add_engine_args
     from pdserve.bench.interference import add_interference_args
+    from pdserve.bench.multiturn import add_multiturn_args
     from pdserve.bench.scenarios import add_scenarios_args
     from pdserve.bench.serve_bench import add_serve_args
     from pdserve.conformance.runner import add_conformance_args
     from pdserve.proxy.cli import add_proxy_args
     from pdserve.schema import add_schema_args
+    from pdserve.top.cli import add_top_args
     from pdserve.topology.cli import add_up_args
 
     parser = argparse.ArgumentParser(prog="pdserve", description="P/D generate server with inline text/derender output")
@@ -32,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(benches.add_parser("engine", help="torch engine decode tok/s (batch 1, 8) and TTFT"))
     add_interference_args(benches.add_parser("interference", help="a long prompt arriving while streams decode: their "
                                              "ITL per --max-num-batched-tokens"))
+    add_multiturn_args(benches.add_parser("multiturn", help="conversations with a shared system prompt: TTFT per turn "
+                                          "(prefix caching), servers side by side"))
     add_serve_args(benches.add_parser("serve", help="streaming load generator (vllm bench serve's flags)"))
     add_scenarios_args(benches.add_parser("scenarios", help="every scenario side by side; rewrites docs/benchmarks.md"))
     add_conformance_args(sub.add_parser("conformance", help="check a server against the generate protocol's wire rules"))
@@ -39,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_proxy_args(sub.add_parser("proxy", help="OpenAI front of a P/D topology: render, prefill leg, decode leg"))
     add_up_args(sub.add_parser("up", help="a local P/D topology: render, prefill and decode servers, the proxy "
                                "(unknown flags go to the prefill and decode servers)"))
+    add_top_args(sub.add_parser("top", help="a live view of a proxy's fleet from its and its members' /metrics"))
     return parser
 
 
@@ -68,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.topology.cli import run_up
 
         return run_up(args, extra)
+    if args.command == "top":
+        from pdserve.top.cli import run_top
+
+        return run_top(args)
     if args.bench == "engine":
         from pdserve.bench.engine import run_engine_bench_cli
 
@@ -76,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.bench.interference import run_interference_cli
 
         return run_interference_cli(args)
+    if args.bench == "multiturn":
+        from pdserve.bench.multiturn import run_multiturn_cli
+
+        return run_multiturn_cli(args)
     if args.bench == "serve":
         from pdserve.bench.serve_bench import run_serve_bench
 

@@ -7,7 +7,9 @@ Needs ``make vllm-env``. Usage::
 
     .venv/bin/python scripts/bench_vs_vllm.py [--num-prompts N] [--output-len N] [--concurrency 1,8] [-- EXTRA]
 
-EXTRA goes to ``pdserve bench serve`` (e.g. ``--save-result --result-filename F``).
+EXTRA goes to ``pdserve bench serve`` (e.g. ``--save-result --result-filename F``). With ``--bench multiturn``
+the arms run ``pdserve bench multiturn`` instead (conversations with a shared system prompt: prefix caching),
+and ``--baseline-args`` adds a pdserve arm from this tree with more flags (``--no-enable-prefix-caching``).
 """
 
 from __future__ import annotations
@@ -88,6 +90,9 @@ def main() -> int:
                         help="also serve pdserve from this checkout (another commit's worktree), pinned the same way, "
                              "for a before/after arm in the same run")
     parser.add_argument("--baseline-port", type=int, default=18812)
+    parser.add_argument("--baseline-args", default=None,
+                        help="also serve pdserve from this tree with these extra flags (space-separated), pinned the same way")
+    parser.add_argument("--bench", choices=("serve", "multiturn"), default="serve")
     parser.add_argument("extra", nargs="*")
     args = parser.parse_args()
     if not VLLM_PY.is_file() and not args.no_vllm:
@@ -99,32 +104,48 @@ def main() -> int:
     name = Path(model).name if args.model else "qwen3-tiny"
     common = ["--served-model-name", name, "--max-model-len", max_model_len, "--dtype", args.dtype,
               "--max-num-seqs", "16", *parsers, "--host", "127.0.0.1"]
+    if args.bench == "multiturn":
+        common.append("--enable-prompt-tokens-details")  # both report the positions read from the prefix cache
     pd_log, vllm_log = Path("/tmp/bench-vs-vllm-pdserve.log"), Path("/tmp/bench-vs-vllm-vllm.log")
     servers = [start([sys.executable, "-m", "pdserve.cli", "serve", model, *common, "--port", str(args.pdserve_port)],
                      pd_log, {})]
-    ports, logs_of = [args.pdserve_port], [pd_log]
+    ports, logs_of, labels = [args.pdserve_port], [pd_log], ["pdserve"]
     if args.baseline_tree is not None:
         base_log = Path("/tmp/bench-vs-vllm-baseline.log")
         servers.append(start([sys.executable, "-m", "pdserve.cli", "serve", model, *common, "--port",
                               str(args.baseline_port)], base_log, {}, cwd=args.baseline_tree.resolve()))
         ports.append(args.baseline_port)
         logs_of.append(base_log)
+        labels.append("pdserve (baseline tree)")
+    if args.baseline_args is not None:
+        base_log = Path("/tmp/bench-vs-vllm-baseline.log")
+        servers.append(start([sys.executable, "-m", "pdserve.cli", "serve", model, *common, *args.baseline_args.split(),
+                              "--port", str(args.baseline_port)], base_log, {}))
+        ports.append(args.baseline_port)
+        logs_of.append(base_log)
+        labels.append(f"pdserve {args.baseline_args}")
     if not args.no_vllm:
         servers.append(start([str(VLLM_PY), str(ROOT / "scripts" / "vllm_cli.py"), "serve", model, *common,
                               "--enforce-eager", "--enable-scale-out", "--port", str(args.vllm_port)],
                              vllm_log, VLLM_ENV))
         ports.append(args.vllm_port)
         logs_of.append(vllm_log)
+        labels.append("vLLM")
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     try:
         for url, proc, log in zip(urls, servers, logs_of, strict=True):
             wait_healthy(url, proc, log)
         for port in ports:
             print(f"API processes on :{port} moved to CPU 1: {move_api_processes(port, 1)}", flush=True)
-        bench = [sys.executable, "-m", "pdserve.cli", "bench", "serve", *(a for u in urls for a in ("--base-url", u)),
-                 "--endpoint", "generate", "--output-mode", args.modes, "--max-concurrency", args.concurrency,
-                 "--num-prompts", str(args.num_prompts), "--random-output-len", str(args.output_len),
-                 "--ignore-eos", "--disable-tqdm", *args.extra]
+        arms = [a for u in urls for a in ("--base-url", u)]
+        if args.bench == "multiturn":
+            bench = [sys.executable, "-m", "pdserve.cli", "bench", "multiturn", *arms, "--label", ",".join(labels),
+                     *args.extra]
+        else:
+            bench = [sys.executable, "-m", "pdserve.cli", "bench", "serve", *arms,
+                     "--endpoint", "generate", "--output-mode", args.modes, "--max-concurrency", args.concurrency,
+                     "--num-prompts", str(args.num_prompts), "--random-output-len", str(args.output_len),
+                     "--ignore-eos", "--disable-tqdm", *args.extra]
         return subprocess.run(["taskset", "-c", "1", *bench], check=False).returncode
     finally:
         for proc in servers:

@@ -18,6 +18,7 @@ class ScheduledSequence:
     slot: int = -1
     num_cached: int = 0  # positions with keys/values in the cache
     live: bool = True
+    prefilled_in_step: int = -1  # the step whose prefill sampled its first token (it decodes from the next)
 
     @property
     def output(self) -> list[int]:
@@ -34,6 +35,12 @@ class ScheduledRequest:
     stop_ids: frozenset[int]
     sequences: list[ScheduledSequence] = field(default_factory=list)
     scheduled_at: float | None = None  # time.monotonic() of its admission into the running batch
+    # Prefix caching: the salt its blocks are keyed with, the keys of its prompt's full blocks (empty when
+    # the engine caches nothing), whether it may read cached blocks, and how many positions it read.
+    cache_salt: str | None = None
+    prefix_keys: list[bytes] = field(default_factory=list)
+    reads_prefix_cache: bool = False
+    cached_tokens: int = 0
 
     @property
     def num_seqs(self) -> int:

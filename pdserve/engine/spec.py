@@ -53,6 +53,7 @@ class EngineSpec(msgspec.Struct, kw_only=True):
     max_model_len: int | None = None
     max_num_seqs: int = 16
     max_num_batched_tokens: int | None = None  # torch, vllm: tokens per step (None: the engine's default)
+    enable_prefix_caching: bool | None = None  # torch, vllm: None: the engine's default (on for both)
     dtype: str = "bfloat16"
     dtype_reason: str = "--dtype"  # why this dtype (--dtype auto names the CPU's flags), for the banner
     seed: int = 0

@@ -35,6 +35,7 @@ import torch
 from pdserve.engine.api import EngineError
 from pdserve.engine.kv.handoff import KVHandoff
 from pdserve.engine.kv.hooks import KVHandoffHooks, NoKVHandoff
+from pdserve.engine.kv.prefix_cache import PrefixCache, block_hashes
 from pdserve.engine.messages import RequestFailed, StepOutputs
 from pdserve.engine.models import KVCache, LlamaForCausalLM
 from pdserve.engine.models.llama import PromptChunk
@@ -76,8 +77,12 @@ class StepLoop:
 
     pace_s = 0.0  # a model step is its own pace
 
-    def __init__(self, model: LlamaForCausalLM, info: EngineInfo, seed: int, kv: KVHandoff | None = None) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, info: EngineInfo, seed: int, kv: KVHandoff | None = None,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
         self.model = model
+        self.prefix_cache = prefix_cache
         self.info = info
         self.max_model_len = info.max_model_len
         # TorchSetup sets it, at least max_num_seqs: every running sequence decodes a token each step.
@@ -97,6 +102,7 @@ class StepLoop:
             KVHandoffHooks(kv, self.scheduler, self.cache, self._fail) if kv is not None else NoKVHandoff()
         )
         self._prompt_tokens_computed = 0
+        self._steps = 0
 
     # -- commands ------------------------------------------------------------------------
 
@@ -129,7 +135,12 @@ class StepLoop:
 
     def add(self, request: EngineRequest) -> None:
         sp = request.sampling
-        req = ScheduledRequest(request.request_id, list(request.prompt_token_ids), sp, frozenset(sp.stop_token_ids))
+        req = ScheduledRequest(request.request_id, list(request.prompt_token_ids), sp, frozenset(sp.stop_token_ids),
+                               cache_salt=request.cache_salt)
+        if self.prefix_cache is not None:
+            req.prefix_keys = block_hashes(req.prompt, self.prefix_cache.block_size, request.cache_salt)
+            # Prompt logprobs score every prompt position, so their request computes its whole prompt.
+            req.reads_prefix_cache = not request.skip_reading_prefix_cache and sp.prompt_logprobs is None
         vocab = self.model.cfg.vocab_size
         rules = request_rules(sp, req.prompt, vocab, self.eos_ids)
         prior = req.prompt[len(req.prompt) - request.prior_output_tokens :] if request.prior_output_tokens else None
@@ -174,6 +185,8 @@ class StepLoop:
             waiting_requests=len(self.scheduler.waiting),
             running_sequences=len(self.scheduler.running),
             prompt_tokens_computed=self._prompt_tokens_computed,
+            prefix_cache_queries=self.prefix_cache.stats.queries if self.prefix_cache is not None else None,
+            prefix_cache_hits=self.prefix_cache.stats.hits if self.prefix_cache is not None else None,
             kv=self.kv.stats(),
         )
 
@@ -181,6 +194,7 @@ class StepLoop:
 
     @torch.inference_mode()
     def step(self) -> None:
+        self._steps += 1
         self.kv.before_step()
         budget = self.max_batched_tokens - len(self.scheduler.running)  # the running sequences' decode rows first
         chunk = min(budget, self.chunked.remaining) if self.chunked is not None else 0
@@ -193,29 +207,53 @@ class StepLoop:
             req = self.scheduler.start_chunked()
             if req is not None:
                 req.scheduled_at = time.monotonic()
-                self.chunked = ChunkedPrefill(req)
+                self.chunked = ChunkedPrefill(req, computed=self._load_prefix(req, self.staging_slot))
                 chunk = budget
-        if self.scheduler.running or chunk:
-            self._decode(chunk)
+        self._decode(chunk)
 
     def _prompt_cost(self, req: ScheduledRequest) -> int:
-        """Prompt tokens a request's admission computes: none for a decode leg whose KV was pulled."""
-        return 0 if self.kv.pulled(req) else req.prompt_len
+        """Prompt tokens a request's admission computes: none for a decode leg whose KV was pulled, those past
+        its cached prefix for the others."""
+        return 0 if self.kv.pulled(req) else req.prompt_len - self._cached_prefix(req)
+
+    def _cached_prefix(self, req: ScheduledRequest) -> int:
+        """Leading prompt positions the prefix cache holds for ``req`` now (whole blocks)."""
+        if self.prefix_cache is None or not req.reads_prefix_cache:
+            return 0
+        return self.prefix_cache.hit_blocks(req.prefix_keys, req.prompt_len) * self.prefix_cache.block_size
+
+    def _load_prefix(self, req: ScheduledRequest, slot: int) -> int:
+        """Copy ``req``'s cached prefix into ``slot``; the positions it covers (the model starts there)."""
+        if self.prefix_cache is None or not req.reads_prefix_cache:
+            return 0
+        cache = self.prefix_cache
+        hit = cache.hit_blocks(req.prefix_keys, req.prompt_len)
+        req.cached_tokens = cache.load(req.prefix_keys[:hit], self.cache, slot)
+        cache.count_lookup(req.prompt_len, req.cached_tokens)
+        return req.cached_tokens
+
+    def _keep_prefix(self, req: ScheduledRequest, slot: int) -> None:
+        """Offer the full blocks of a computed prompt (in ``slot``) to the prefix cache."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(req.prefix_keys, self.cache, slot, req.prompt_len)
 
     def take_outputs(self) -> StepOutputs:
         out, self._out = self._out, StepOutputs()
         return out
 
     def _prefill(self, admitted: list[ScheduledRequest]) -> None:
-        """Place the admitted requests' sequences, then compute their prompts in one pass (pulled ones load theirs)."""
-        computed: list[tuple[ScheduledRequest, list[ScheduledSequence]]] = []
-        for req in admitted:
+        """Place the admitted requests' sequences, then compute their prompts in one pass, each past its cached
+        prefix (pulled ones load theirs)."""
+        computed: list[tuple[ScheduledRequest, list[ScheduledSequence], int]] = []
+        # Pulled legs first: the sequences whose prompts are computed get their first token from the prefill
+        # and take the last slots, so that this step's decode pass (slots 0..B-1) leaves them out.
+        for req in sorted(admitted, key=lambda r: not self.kv.pulled(r)):
             req.scheduled_at = time.monotonic()
             live = [s for s in req.sequences if s.live]  # stop_sequence may have dropped some while waiting
             for seq in live:
                 self.scheduler.place(seq)
             if not self.kv.load_prompt(req, live):  # a pulled decode leg's KV is copied in instead
-                computed.append((req, live))
+                computed.append((req, live, self._load_prefix(req, live[0].slot)))
         if computed:
             self._compute_prompts(computed)
 
@@ -233,6 +271,7 @@ class StepLoop:
             return
         self.chunked = None
         self.scheduler.unreserve()
+        self._keep_prefix(req, self.staging_slot)
         live = [s for s in req.sequences if s.live]
         for seq in live:
             self.scheduler.place(seq)
@@ -242,33 +281,44 @@ class StepLoop:
         prompt_logprobs = {req: chunk.prompt_logprobs} if req.sampling.prompt_logprobs is not None else {}
         self._sample_and_emit(live, logits.expand(len(live), -1), prompt_logprobs)
 
-    def _compute_prompts(self, batch: list[tuple[ScheduledRequest, list[ScheduledSequence]]]) -> None:
-        """Prefill the prompts together (each into its first live sequence's slot, copied to the
-        others) and sample every sequence's first token in one call."""
-        lengths = [req.prompt_len for req, _ in batch]
+    def _compute_prompts(self, batch: list[tuple[ScheduledRequest, list[ScheduledSequence], int]]) -> None:
+        """Prefill the prompts together, each from its start (past its cached prefix) into its first live
+        sequence's slot, copied to the others, and sample every sequence's first token in one call."""
+        starts = [start for _, _, start in batch]
+        lengths = [req.prompt_len - start for req, _, start in batch]
         self._prompt_tokens_computed += sum(lengths)
-        tokens = torch.tensor([t for req, _ in batch for t in req.prompt], dtype=torch.long)
-        hidden = self.model.prefill_batch(tokens, lengths, [live[0].slot for _, live in batch], self.cache)
+        tokens = torch.tensor([t for req, _, start in batch for t in req.prompt[start:]], dtype=torch.long)
+        slots = [live[0].slot for _, live, _ in batch]
+        hidden = self.model.prefill_batch(tokens, lengths, slots, self.cache, starts)
         last_rows = torch.tensor(lengths).cumsum(0) - 1
         last_logits = self.model.logits(hidden[last_rows])
         seqs: list[ScheduledSequence] = []
         logit_rows: list[int] = []
         prompt_logprobs: dict[ScheduledRequest, list[PositionLogprobs | None]] = {}
-        for row, ((req, live), prompt_hidden) in enumerate(zip(batch, hidden.split(lengths), strict=True)):
+        for row, ((req, live, _), prompt_hidden) in enumerate(zip(batch, hidden.split(lengths), strict=True)):
+            self._keep_prefix(req, live[0].slot)
             for seq in live[1:]:
                 self.cache.copy_slot(live[0].slot, seq.slot, req.prompt_len)
             if req.sampling.prompt_logprobs is not None:
                 prompt_logprobs[req] = self._prompt_logprobs(req, prompt_hidden)
             for seq in live:
                 seq.num_cached = req.prompt_len
+                seq.prefilled_in_step = self._steps
             seqs.extend(live)
             logit_rows.extend([row] * len(live))
         self._sample_and_emit(seqs, last_logits[logit_rows], prompt_logprobs)
 
     def _decode(self, chunk: int) -> None:
         """One decode row per running sequence and, when ``chunk``, the next ``chunk`` positions of the prompt
-        being prefilled in chunks: one pass through the weights for both (:meth:`LlamaForCausalLM.step`)."""
+        being prefilled in chunks: one pass through the weights for both (:meth:`LlamaForCausalLM.step`).
+
+        Sequences whose prefill sampled their first token in this step (the last slots) decode from the next
+        step: their first token goes out at the end of this one without waiting for a decode pass."""
         running = list(self.scheduler.running)
+        while running and running[-1].prefilled_in_step == self._steps:
+            running.pop()
+        if not running and not chunk:
+            return
         # A pulled decode leg has no output yet: its first step runs the last prompt token.
         tokens = torch.tensor([s.output[-1] if s.output else s.request.prompt[-1] for s in running], dtype=torch.long)
         positions = torch.tensor([s.num_cached for s in running], dtype=torch.long)
@@ -314,6 +364,7 @@ class StepLoop:
                     stop_reason=reason,
                     kv_transfer_params=kv_params,
                     scheduled_at=seq.request.scheduled_at if len(seq.output) == 1 else None,
+                    num_cached_tokens=seq.request.cached_tokens if len(seq.output) == 1 else 0,
                 )
             )
             if finish is not None:
@@ -357,6 +408,9 @@ class StepLoop:
         """A sequence is over (finished, aborted or stopped): free its slot; end the request after its last one."""
         seq.live = False
         if seq.slot >= 0:
+            if self.prefix_cache is not None:  # its output's full blocks too: a next turn's prompt holds them
+                keys = block_hashes(seq.request.prompt + seq.output, self.prefix_cache.block_size, seq.request.cache_salt)
+                self.prefix_cache.store(keys, self.cache, seq.slot, seq.num_cached)
             move = self.scheduler.release(seq)
             if move is not None:
                 moved = self.scheduler.running[move.dst]

@@ -262,6 +262,7 @@ class RequestState:
         self.choices = [ChoiceState(i, config) for i in range(n)]
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.kv_transfer_params: dict[str, Any] | None = None
+        self.num_cached_tokens = 0  # prompt positions the engine read from its prefix cache
         self.timing = RequestTiming()  # for --enable-per-request-metrics
         live.request_states.add(self)
 
@@ -281,6 +282,8 @@ class RequestState:
             self.prompt_logprobs = out.prompt_logprobs
         if out.kv_transfer_params is not None:
             self.kv_transfer_params = out.kv_transfer_params
+        if out.num_cached_tokens:
+            self.num_cached_tokens = out.num_cached_tokens
         self.timing.tokens(len(out.new_token_ids))
         self.timing.scheduled_at(out.scheduled_at)
         return self.choices[out.index].add(out)

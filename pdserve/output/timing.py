@@ -43,6 +43,14 @@ class RequestTiming:
             self.first_token = now
         self.last_token = now
 
+    def ttft_and_tpot_s(self, output_tokens: int) -> tuple[float | None, float | None]:
+        """Seconds to the first token, and per output token after it (None below two tokens): what
+        ``/metrics`` histograms (vLLM's time_to_first_token / request_time_per_output_token)."""
+        if self.first_token is None or self.last_token is None:
+            return None, None
+        tpot = (self.last_token - self.first_token) / (output_tokens - 1) if output_tokens > 1 else None
+        return self.first_token - self.arrival, tpot
+
     def metrics(self, output_tokens: int) -> dict[str, Any]:
         """The ``metrics`` object (vLLM's field names, milliseconds); nulls where nothing was measured."""
         ttft = gen = itl = rate = None

@@ -104,6 +104,10 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     # the engine continues after them and counts them as output where that matters (penalties, a
     # script's position); max_tokens and min_tokens count new tokens only.
     prior_output_tokens: int = 0
+    # Prefix caching (vLLM's fields): cached blocks are shared only between requests of one salt, and a
+    # request that skips reading the cache computes its whole prompt (prompt_logprobs need it computed).
+    cache_salt: str | None = None
+    skip_reading_prefix_cache: bool = False
 
 
 class PositionLogprobs(msgspec.Struct, array_like=True):
@@ -169,6 +173,11 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     # Tokens one engine step computes, decode rows and prompt chunks (--max-num-batched-tokens); None: the
     # engine has no such budget (scripted) or its own default.
     max_num_batched_tokens: int | None = None
+    # Automatic prefix caching (--enable-prefix-caching): the blocks it keeps and their size; None: off, or
+    # the engine's own (vLLM).
+    prefix_cache_blocks: int | None = None
+    prefix_cache_block_size: int | None = None
+    prefix_cache_block_bytes: int | None = None
     # Threads the model's ops run on (sized from the engine process's CPU affinity); None: no model.
     intra_op_threads: int | None = None
     # Where other engines pull this engine's KV from (``--kv-transfer`` on the torch engine).
@@ -185,4 +194,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     running_sequences: int = 0
     # Prompt positions the model computed (prefill); a decode leg whose KV was pulled adds none.
     prompt_tokens_computed: int = 0
+    # Prefix caching, in prompt positions (vLLM's prefix_cache_queries / prefix_cache_hits): looked up by
+    # requests that read the cache, and found there. None: the engine caches no prefix.
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
     kv: KVStats | None = None

@@ -213,6 +213,8 @@ class KVStats(msgspec.Struct, kw_only=True):
     pulled_blocks: int = 0
     pulled_bytes: int = 0
     pulled_tokens: int = 0
+    # Blocks of a decode leg's prompt found in its own prefix cache, so not pulled (copied locally instead).
+    local_prefix_blocks: int = 0
     # Pull latency (start of the READ to its end): a count per bucket of PULL_SECONDS_BUCKETS + one for +Inf.
     pull_seconds_counts: list[int] = msgspec.field(default_factory=lambda: [0] * (len(PULL_SECONDS_BUCKETS) + 1))
     pull_seconds_sum: float = 0.0

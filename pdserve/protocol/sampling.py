@@ -97,9 +97,11 @@ class SamplingParams(BaseModel):
     allowed_token_ids: list[int] | None = None
     extra_args: EngineJSON | None = None
     # Transport details vLLM emits from /render: accepted, no effect on the answer. vLLM's generate
-    # overwrites output_kind; pdserve has no prefix cache to skip and one logprobs wire format.
+    # overwrites output_kind; pdserve has one logprobs wire format.
     output_kind: int = Field(0, ge=0, le=2)
     skip_clone: bool = False
+    # The request computes its whole prompt, reading no cached block (it still leaves its blocks in the
+    # cache); vLLM's default: True exactly when prompt_logprobs are asked for.
     skip_reading_prefix_cache: bool | None = None
     flat_logprobs: bool = False
     output_text_buffer_length: int = 0

@@ -37,7 +37,7 @@ def create_app(
     """Build the app. With ``owns_engine`` the app starts and stops the engine in its lifespan;
     ``parser_config`` is the validated --reasoning-parser/--tool-call-parser setup (None: no parser)."""
     metrics = Metrics(
-        engine.stats if engine is not None else None, lambda: engine.info.kv if engine is not None else None,
+        engine.stats if engine is not None else None, lambda: engine.info if engine is not None else None,
         decoded_ids=lambda: tokenizer.decoded_ids if tokenizer is not None else None,
         direct_outputs=lambda: engine.direct_outputs() if isinstance(engine, DirectDelivery) else None,
     )

@@ -24,8 +24,15 @@ def _engine_line(state: AppState) -> str:
     dtype = f", {spec.dtype} ({spec.dtype_reason})" if spec is not None and kind != "scripted" else ""
     batched = (f", {info.max_num_batched_tokens} tokens per step (longer prompts prefill in chunks)"
                if info.max_num_batched_tokens else "")
+    prefix = ""
+    if info.prefix_cache_blocks:
+        gib = info.prefix_cache_blocks * (info.prefix_cache_block_bytes or 0) / 2**30
+        prefix = (f", prefix caching on ({info.prefix_cache_blocks} blocks of {info.prefix_cache_block_size} tokens, "
+                  f"up to {gib:.1f} GiB of RAM as they fill)")
+    elif kind == "torch":
+        prefix = ", prefix caching off"
     return (f"{kind} ({where}{threads}{invariant}{dtype}); max_model_len {info.max_model_len}, "
-            f"max_num_seqs {info.max_num_seqs}{batched}")
+            f"max_num_seqs {info.max_num_seqs}{batched}{prefix}")
 
 
 def _kv_line(state: AppState) -> str:

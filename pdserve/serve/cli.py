@@ -145,6 +145,11 @@ def add_server_commands(sub: argparse._SubParsersAction) -> None:
         help="tokens one engine step computes: the running sequences' decode rows, then chunks of waiting prompts "
         "(a longer prompt is prefilled in chunks over several steps; torch default 2048)",
     )
+    serve.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+        help="automatic prefix caching (vLLM's flag): full blocks of 16 prompt and output tokens are kept and a "
+        "request whose prompt starts with cached blocks computes only the rest (default: on)",
+    )
     serve.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                        help="the model's compute dtype; auto: bfloat16 where the CPU computes it (AVX512-BF16 or AMX), "
                        "else float32 (bfloat16 would be emulated, and slower)")
@@ -158,6 +163,10 @@ def add_server_commands(sub: argparse._SubParsersAction) -> None:
         "--enable-per-request-metrics", action="store_true",
         help="add server-side timing ('metrics': TTFT, generation time, mean ITL, tok/s) to generate responses, "
         "final stream chunks and the coupled endpoints",
+    )
+    serve.add_argument(
+        "--enable-prompt-tokens-details", action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens: the prompt positions read from the prefix cache (vLLM's flag)",
     )
     serve.add_argument(
         "--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
@@ -218,6 +227,8 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
             raise ValueError("--kv-transfer hands off a model's KV; --engine scripted has none (use --engine torch)")
         if args.max_num_batched_tokens is not None:
             raise ValueError("--max-num-batched-tokens budgets a model's steps; --engine scripted has none")
+        if args.enable_prefix_caching is not None:
+            raise ValueError("--enable-prefix-caching caches a model's KV; --engine scripted has none")
         script = script or demo_script_path()
         tokenizer = tokenizer or "qwen3"
     if engine_kind == "vllm":
@@ -231,6 +242,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
         dtype=dtype.dtype,
         dtype_reason=dtype.reason,
         batch_invariant=args.batch_invariant,
@@ -252,6 +264,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         api_server_count=args.api_server_count,
         log_level=args.log_level,
         enable_per_request_metrics=args.enable_per_request_metrics,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         max_waiting_requests=None if args.max_waiting_requests < 0 else args.max_waiting_requests,
         stream_idle_timeout_s=args.stream_idle_timeout or None,
         stream_interval=args.stream_interval,

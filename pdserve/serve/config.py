@@ -43,6 +43,8 @@ class ServerConfig:
     max_model_len: int | None = None
     # --enable-per-request-metrics: server-side timing as ``metrics`` on responses (pdserve.output.timing).
     enable_per_request_metrics: bool = False
+    # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens on final usage (vLLM's flag).
+    enable_prompt_tokens_details: bool = False
     # SIGTERM: /health and new requests 503 at once; requests in flight get this long to finish.
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     # An idle keep-alive connection is closed after this long (pdserve.protocol.keepalive says why it is long).

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pdserve.output import live
 from pdserve.output.derender_cache import DerenderCache
-from pdserve.protocol.engine import EngineStats
-from pdserve.protocol.kv import PULL_SECONDS_BUCKETS, KVAgentInfo, KVStats
+from pdserve.output.request_state import RequestState
+from pdserve.protocol.engine import EngineInfo, EngineStats
+from pdserve.protocol.kv import PULL_SECONDS_BUCKETS, KVStats
+
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                  40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                  80.0)
 
 # KV hand-off counters (cumulative) and gauges (now): (KVStats field, metric name, help).
 _KV_COUNTERS = (
@@ -26,6 +32,8 @@ _KV_COUNTERS = (
     ("pulled_blocks", "pdserve_kv_pulled_blocks", "KV blocks pulled from prefill engines"),
     ("pulled_bytes", "pdserve_kv_pulled_bytes", "KV bytes pulled from prefill engines"),
     ("pulled_tokens", "pdserve_kv_pulled_tokens", "Prompt positions whose KV was pulled from prefill engines"),
+    ("local_prefix_blocks", "pdserve_kv_local_prefix_blocks",
+     "Blocks of decode legs' prompts found in this engine's prefix cache, so not pulled"),
 )
 _KV_GAUGES = (
     ("pool_blocks", "pdserve_kv_pool_blocks", "Blocks of the NIXL-registered KV block pool"),
@@ -52,8 +60,8 @@ def _kv_metrics(kv: KVStats) -> Iterator[Metric]:
 class _EngineStatsCollector(Collector):
     """Reads the engine's live counters at scrape time."""
 
-    def __init__(self, stats: Callable[[], EngineStats], kv_pool: Callable[[], KVAgentInfo | None]):
-        self._kv_pool = kv_pool
+    def __init__(self, stats: Callable[[], EngineStats], info: Callable[[], EngineInfo | None]):
+        self._info = info
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
@@ -71,9 +79,20 @@ class _EngineStatsCollector(Collector):
             "pdserve_engine_prompt_tokens_computed", "Prompt positions the engine's model computed (prefill)",
             value=stats.prompt_tokens_computed,
         )
+        info = self._info()
+        # Before the core's first heartbeat the series exist already (at 0): from the engine's info.
+        if stats.prefix_cache_queries is not None or (info is not None and info.prefix_cache_blocks):
+            yield CounterMetricFamily(
+                "pdserve_prefix_cache_queries", "Prompt positions looked up in the prefix cache (vLLM's "
+                "prefix_cache_queries)", value=stats.prefix_cache_queries or 0,
+            )
+            yield CounterMetricFamily(
+                "pdserve_prefix_cache_hits", "Prompt positions served from the prefix cache (vLLM's prefix_cache_hits)",
+                value=stats.prefix_cache_hits or 0,
+            )
         if stats.kv is not None:
             yield from _kv_metrics(stats.kv)
-        elif (pool := self._kv_pool()) is not None:  # before the core's first heartbeat: series exist from the start
+        elif info is not None and (pool := info.kv) is not None:
             yield from _kv_metrics(KVStats(pool_blocks=pool.num_blocks, free_blocks=pool.num_blocks))
 
 
@@ -150,7 +169,7 @@ class _DerenderCacheCollector(Collector):
 class Metrics:
     def __init__(
         self, engine_stats: Callable[[], EngineStats] | None = None,
-        kv_pool: Callable[[], KVAgentInfo | None] = lambda: None,
+        engine_info: Callable[[], EngineInfo | None] = lambda: None,
         decoded_ids: Callable[[], int | None] = lambda: None,
         direct_outputs: Callable[[], int | None] = lambda: None,
     ):
@@ -173,13 +192,31 @@ class Metrics:
             ["path", "status"],
             registry=self.registry,
         )
+        # vLLM's buckets (time_to_first_token_seconds, request_time_per_output_token_seconds).
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds", "Arrival (parsed, validated) to the first output token, per "
+            "finished request", buckets=TTFT_BUCKETS_S, registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "pdserve_time_per_output_token_seconds", "First to last output token over the tokens after the first, "
+            "per finished request of two tokens or more", buckets=TPOT_BUCKETS_S, registry=self.registry,
+        )
         self.idle_streams_closed = Counter(
             "pdserve_idle_streams_closed", "Streams cut off because their client read nothing for --stream-idle-timeout",
             registry=self.registry,
         )
         self.registry.register(_LiveObjectsCollector(decoded_ids, direct_outputs))
         if engine_stats is not None:
-            self.registry.register(_EngineStatsCollector(engine_stats, kv_pool))
+            self.registry.register(_EngineStatsCollector(engine_stats, engine_info))
+
+    def observe_timing(self, states: Iterable[RequestState]) -> None:
+        """A finished client request's engine requests, into the TTFT and TPOT histograms."""
+        for rstate in states:
+            ttft, tpot = rstate.timing.ttft_and_tpot_s(rstate.completion_tokens)
+            if ttft is not None:
+                self.ttft.observe(ttft)
+            if tpot is not None:
+                self.tpot.observe(tpot)
 
     def watch_derender_cache(self, cache: DerenderCache | None) -> DerenderCache | None:
         """Export the streaming /derender cache's size and counters (none when it is off); returns it."""

@@ -79,6 +79,8 @@ def engine_request(
         extra_args=sp.extra_args,
         stream_interval=stream_interval,
         prior_output_tokens=req.prior_output_tokens,
+        cache_salt=req.cache_salt,
+        skip_reading_prefix_cache=bool(sp.skip_reading_prefix_cache),
     )
 
 

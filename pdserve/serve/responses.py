@@ -22,7 +22,7 @@ from pdserve.output.request_state import ChoiceUpdate, RequestState
 from pdserve.output.surfaces import Surface
 from pdserve.protocol.engine import EngineRequest
 from pdserve.protocol.errors import RequestError
-from pdserve.protocol.openai import UsageInfo
+from pdserve.protocol.openai import PromptTokensDetails, UsageInfo
 from pdserve.protocol.sse import DONE, sse_event, sse_event_bytes
 from pdserve.serve.driver import Outlet, drive
 from pdserve.serve.event_stream import DirectBody, DirectEvents, EventStreamResponse
@@ -43,17 +43,21 @@ async def respond(request: Request, state: AppState, prepared: Sequence[Prepared
     if not stream:
         def answer() -> BaseModel:
             metrics = states[0].metrics() if per_request_metrics and len(states) == 1 else None
-            return surface.batch(states, total_usage(states), metrics)
+            return surface.batch(states, total_usage(states, state.config.enable_prompt_tokens_details), metrics)
 
         return await respond_batch(request, state, prepared, surface.labels, answer)
     direct = DirectBody()
     return respond_stream(state, surface.labels, prepared, _events(state, prepared, surface, direct), direct)
 
 
-def total_usage(states: Sequence[RequestState]) -> UsageInfo:
-    """Usage summed over a client request's engine requests (completions' prompts)."""
+def total_usage(states: Sequence[RequestState], cached_details: bool) -> UsageInfo:
+    """Usage summed over a client request's engine requests (completions' prompts); with ``cached_details``
+    (--enable-prompt-tokens-details) the prompt positions read from the prefix cache too."""
     prompt_tokens = sum(len(s.config.prompt_token_ids) for s in states)
-    return usage_of(prompt_tokens, sum(s.completion_tokens for s in states))
+    usage = usage_of(prompt_tokens, sum(s.completion_tokens for s in states))
+    if cached_details:
+        usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=sum(s.num_cached_tokens for s in states))
+    return usage
 
 
 class _StreamEvents:
@@ -99,7 +103,7 @@ async def _events(state: AppState, prepared: Sequence[Prepared], surface: Surfac
         event = events.event(k, update)
         if event is not None:
             yield event
-    for chunk in surface.closing(total_usage(states)):
+    for chunk in surface.closing(total_usage(states, state.config.enable_prompt_tokens_details)):
         yield sse_event(chunk)
 
 
@@ -145,6 +149,8 @@ async def respond_batch(
         state.inflight.release(prepared)
         state.metrics.running.dec()
         state.metrics.requests.labels(*labels, status).inc()
+        if status == "200":
+            state.metrics.observe_timing(rstate for _, rstate in prepared)
 
 
 def _admit(state: AppState, prepared: Sequence[Prepared], labels: tuple[str, str]) -> None:
@@ -198,6 +204,8 @@ def respond_stream(
         finally:
             state.metrics.running.dec()
             state.metrics.requests.labels(*labels, status).inc()
+            if status == "200":
+                state.metrics.observe_timing(rstate for _, rstate in prepared)
         yield DONE
 
     watch = StreamWatch()

@@ -7,6 +7,7 @@ The scripted engine sleeps ``--step-ms`` between tokens, so a request of n token
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -113,3 +114,29 @@ def test_derender_passes_metrics_through(on) -> None:  # type: ignore[no-untyped
         "chat_request": {"messages": [{"role": "user", "content": "hi"}],
                          "chat_template_kwargs": {"enable_thinking": False}}}).json()
     assert answer["chunk"]["metrics"] == final["metrics"]
+
+
+def _histogram(url: str, name: str) -> tuple[float, float, dict[str, float]]:
+    """count, sum and cumulative buckets (le -> count) of an unlabelled histogram in /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    buckets = {m.group(1): float(m.group(2)) for m in re.finditer(rf'^{name}_bucket{{le="([^"]+)"}} (\S+)$', text, re.MULTILINE)}
+    count = float(re.search(rf"^{name}_count (\S+)$", text, re.MULTILINE).group(1))  # type: ignore[union-attr]
+    total = float(re.search(rf"^{name}_sum (\S+)$", text, re.MULTILINE).group(1))  # type: ignore[union-attr]
+    return count, total, buckets
+
+
+def test_ttft_and_tpot_histograms_count_every_finished_request_with_or_without_the_flag(off) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's time_to_first_token_seconds and request_time_per_output_token_seconds, as pdserve_*: one
+    observation per finished request on every surface, batch and stream (pdserve top and the dashboard read
+    them)."""
+    ttft_before, _, _ = _histogram(off.url, "pdserve_time_to_first_token_seconds")
+    tpot_before, tpot_sum_before, _ = _histogram(off.url, "pdserve_time_per_output_token_seconds")
+    for path, batch, stream in SURFACES:
+        assert httpx.post(off.url + path, json=batch, timeout=30).status_code == 200
+        assert stream_post(off.url + path, stream)[1]
+    ttft_count, _, buckets = _histogram(off.url, "pdserve_time_to_first_token_seconds")
+    tpot_count, tpot_sum, _ = _histogram(off.url, "pdserve_time_per_output_token_seconds")
+    assert ttft_count - ttft_before == tpot_count - tpot_before == 2 * len(SURFACES)
+    assert buckets["+Inf"] == ttft_count
+    # Each request spent at least a step between tokens (the scripted engine's --step-ms): its TPOT too.
+    assert (tpot_sum - tpot_sum_before) / (tpot_count - tpot_before) >= STEP_MS / 1000 * 0.9

@@ -1,7 +1,8 @@
 """``pdserve up qwen3-tiny --engine vllm`` (from .venv-vllm): a render server, a vLLM-engine prefill and decode
 server exchanging KV over vLLM's NixlConnector, and the proxy. The openai SDK's streamed chat (qwen3 +
 hermes parsers, a tool offered) through the proxy equals the decode member's own coupled answer, and the
-decode member's ``/metrics`` shows the prompt's KV pulled, not computed."""
+decode member's ``/metrics`` shows the prompt's KV pulled, not computed, and then read from vLLM's prefix
+cache by the coupled request."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from tests.interop.chats import WEATHER, client, folded_stream, markup_bias
 from tests.serverproc import metric_sum
 from tests.upproc import Up
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(1800)
 PARSERS = ("--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice")
@@ -32,6 +34,9 @@ def test_up_engine_vllm_answers_the_openai_sdk_and_the_decode_member_pulls_the_k
         assert reasoning and len(ids) == tokens == 24
         pulls, pulled, computed = (metric_sum(decode, name) - b for name, b in zip(counters, before))
         assert pulls == 1 and pulled > 16 and computed == 0  # the prompt came over NIXL; none computed here
+        hits = metric_sum(decode, "pdserve_prefix_cache_hits_total")
         assert proxied == folded_stream(client(decode), kwargs)  # the decode engine's own coupled answer
+        # The same prompt again: vLLM's prefix cache kept the pulled blocks, and its hits reach /metrics.
+        wait_until(lambda: metric_sum(decode, "pdserve_prefix_cache_hits_total") >= hits + 16, "vLLM's prefix hits")
     finally:
         topology.stop()

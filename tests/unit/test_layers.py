@@ -55,7 +55,9 @@ LAYERS: dict[str, frozenset[str]] = {
     # Wire rules checked from outside: imports no other pdserve package, so it cannot share a server's bug.
     "conformance": frozenset(),
     "schema": frozenset({"protocol"}),  # JSON Schema export of the wire types
-    "cli": _BELOW_SERVE | {"serve", "proxy", "bench", "conformance", "schema", "topology"},  # the ``pdserve`` entry point
+    # ``pdserve top``: reads a fleet's /metrics by name over HTTP, imports no other pdserve package.
+    "top": frozenset(),
+    "cli": _BELOW_SERVE | {"serve", "proxy", "bench", "conformance", "schema", "topology", "top"},  # the ``pdserve`` entry point
     "data": frozenset(),  # package data only, read through importlib.resources
 }
 SERVE_APP = f"{PACKAGE}.serve.app"

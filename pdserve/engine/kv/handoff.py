@@ -19,12 +19,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.kv.peers import PeerDirectory
 from pdserve.engine.kv.pool import KVBlockPool
+from pdserve.engine.kv.prefix_cache import PrefixCache
 from pdserve.engine.kv.transport import NixlTransport, TransferError
 from pdserve.engine.models import KVCache
 from pdserve.engine.spec import KVTransferSpec
@@ -51,6 +52,10 @@ class _Pull:
     # slot for many steps; nothing may READ again, as the prefill engine freed (and may reuse) the remote
     # blocks on the first READ's notification.
     landed: bool = False
+    # The keys of the prompt's full blocks in this engine's prefix cache: the leading ones it holds are
+    # copied from there, and only the rest is READ.
+    prefix_keys: list[bytes] = field(default_factory=list)
+    local_blocks_reused: int = 0
 
 
 @dataclass
@@ -71,8 +76,11 @@ class KVHandoff:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.spec, self.pool, self.transport, self.peers = spec, pool, transport, peers
+        # Pulls read only the blocks this cache lacks (when its blocks are laid out as the pool's).
+        self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.pool.layout == pool.layout else None
         self._clock, self._wall = clock, wall
         self._reserved: dict[str, list[int]] = {}  # prefill requests running now -> their blocks
         self._leases: dict[str, _Lease] = {}  # exported lease id -> blocks awaiting their pull
@@ -111,15 +119,17 @@ class KVHandoff:
 
     # -- decode side -------------------------------------------------------------------------
 
-    def begin_pull(self, request_id: str, pull: KVPull, prompt_len: int) -> str | None:
-        """Start pulling a decode leg's KV; returns why it cannot work instead (nothing is held then)."""
+    def begin_pull(self, request_id: str, pull: KVPull, prompt_len: int, prefix_keys: Sequence[bytes] = ()
+                   ) -> str | None:
+        """Start pulling a decode leg's KV (``prefix_keys``: its prompt's block keys in the prefix cache, empty
+        when none may be read); returns why it cannot work instead (nothing is held then)."""
         if pull.num_tokens != prompt_len:
             return f"the prefill computed {pull.num_tokens} prompt tokens but this prompt has {prompt_len}"
         if len(pull.block_ids) != self.pool.layout.blocks_for(pull.num_tokens):
             return f"{len(pull.block_ids)} remote blocks cannot hold exactly {pull.num_tokens} tokens"
         if pull.expiry_time is not None and self._wall() >= pull.expiry_time:
             return f"the prefill engine's lease on the KV expired {self._wall() - pull.expiry_time:.1f}s ago"
-        self._pulls[request_id] = _Pull(pull)
+        self._pulls[request_id] = _Pull(pull, prefix_keys=list(prefix_keys))
         return None
 
     def advance(self) -> PullProgress:
@@ -137,12 +147,14 @@ class KVHandoff:
                 self._fail(request_id, p, str(e), progress)
         return progress
 
-    def load(self, request_id: str, cache: KVCache, slot: int, num_tokens: int) -> None:
-        """Copy a finished pull's blocks into a slot (positions ``[0, num_tokens)``) and free them."""
+    def load(self, request_id: str, cache: KVCache, slot: int, num_tokens: int) -> int:
+        """Copy a finished pull's blocks into a slot (positions ``[0, num_tokens)``) and free them; returns the
+        positions that came from this engine's prefix cache rather than the READ."""
         p = self._pulls.pop(request_id)
         assert p.local_blocks is not None
         self.pool.load(cache, slot, num_tokens, p.local_blocks)
         self.pool.free(p.local_blocks)
+        return p.local_blocks_reused * self.pool.layout.block_size
 
     def drop(self, request_id: str) -> None:
         """The request is gone (aborted): stop caring about its pull; blocks free once NIXL is done."""
@@ -208,8 +220,22 @@ class KVHandoff:
             p.local_blocks = self.pool.allocate(p.pull.num_tokens)
             if p.local_blocks is None:
                 return  # the pool is full: wait for blocks
+        reused = self._copy_cached_prefix(p)
         p.read_started = self._clock()
-        p.handle = self.transport.start_read(info, p.pull.block_ids, p.local_blocks, p.pull.remote_request_id.encode())
+        p.handle = self.transport.start_read(info, p.pull.block_ids[reused:], p.local_blocks[reused:],
+                                             p.pull.remote_request_id.encode())
+
+    def _copy_cached_prefix(self, p: _Pull) -> int:
+        """Fill the leading local blocks the prefix cache holds (at least the last block is always READ: the
+        READ's notification frees the prefill engine's lease); how many."""
+        cache = self.prefix_cache
+        assert p.local_blocks is not None
+        if cache is None or not p.prefix_keys:
+            return 0
+        reused = min(cache.hit_blocks(p.prefix_keys, p.pull.num_tokens), len(p.pull.block_ids) - 1)
+        cache.copy_to(p.prefix_keys[:reused], self.pool, p.local_blocks[:reused])
+        p.local_blocks_reused = reused
+        return reused
 
     def _check(self, request_id: str, p: _Pull, progress: PullProgress) -> None:
         state = self.transport.state(p.handle, p.pull.remote_engine_id)
@@ -230,12 +256,13 @@ class KVHandoff:
             self.peers.forget(p.pull.remote_engine_id)
             raise TransferError(f"the NIXL READ from engine {p.pull.remote_engine_id} failed")
         seconds = self._clock() - p.read_started
-        blocks = len(p.pull.block_ids)
+        blocks = len(p.pull.block_ids) - p.local_blocks_reused
         s = self._stats
+        s.local_prefix_blocks += p.local_blocks_reused
         s.pulls_ok += 1
         s.pulled_blocks += blocks
         s.pulled_bytes += blocks * self.pool.layout.block_bytes
-        s.pulled_tokens += p.pull.num_tokens
+        s.pulled_tokens += p.pull.num_tokens - p.local_blocks_reused * self.pool.layout.block_size
         s.observe_pull(seconds)
         p.landed = True
         progress.ready.append(request_id)

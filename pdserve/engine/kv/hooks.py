@@ -126,7 +126,8 @@ class KVHandoffHooks:
 
     def on_add(self, req: ScheduledRequest, intent: KVIntent) -> bool:
         if intent.pull is not None:
-            problem = self.handoff.begin_pull(req.request_id, intent.pull, req.prompt_len)
+            keys = req.prefix_keys if req.reads_prefix_cache else []
+            problem = self.handoff.begin_pull(req.request_id, intent.pull, req.prompt_len, keys)
             if problem is not None:
                 self._pull_failed(req, problem)
             else:
@@ -176,7 +177,7 @@ class KVHandoffHooks:
             return False
         self._pulled.discard(req)
         n, cache = req.prompt_len, self._cache
-        self.handoff.load(req.request_id, cache, live[0].slot, n)
+        req.cached_tokens = self.handoff.load(req.request_id, cache, live[0].slot, n)
         for seq in live[1:]:
             cache.copy_slot(live[0].slot, seq.slot, n)
         self._tails[req] = cache.data[:, :, live[0].slot, :, n - 1].clone()

@@ -5,7 +5,8 @@ contiguous row per sequence, so that a decode step reads them as one view. A pro
 for a remote decode leaves its slot as soon as it finishes: its keys/values are copied here, into
 fixed-size blocks (``[2, layers, kv_heads, block_size, head_dim]``, contiguous, so one block is
 one transfer descriptor), and wait for the decode engine to READ them. A decode engine READs the
-remote blocks into its own pool, then copies them into the slot its sequence runs in.
+remote blocks into its own pool, then copies them into the slot its sequence runs in. The prefix
+cache (:mod:`~pdserve.engine.kv.prefix_cache`) keeps its blocks in a pool of its own.
 
 The memory is one anonymous mapping, like the KV cache: pages are committed only when written,
 so a pool sized for every slot's full context costs address space, not RAM.
@@ -69,6 +70,26 @@ class KVBlockPool:
         """Copy ``blocks`` into positions ``[0, num_tokens)`` of a cache slot."""
         for start, block, width in self._spans(num_tokens, blocks):
             cache.data[:, :, slot, :, start : start + width] = self.data[block, :, :, :, :width]
+
+    def save_blocks(self, cache: KVCache, slot: int, block_indices: list[int], blocks: list[int]) -> None:
+        """Copy a slot's blocks ``block_indices`` (of ``block_size`` positions each) into ``blocks``, in one op."""
+        size = self.layout.block_size
+        positions = (torch.tensor(block_indices)[:, None] * size + torch.arange(size)).reshape(-1)
+        rows = cache.data[:, :, slot].index_select(3, positions)  # [2, layers, heads, n * size, head_dim]
+        rows = rows.unflatten(3, (len(blocks), size)).permute(3, 0, 1, 2, 4, 5)
+        self.data.index_copy_(0, torch.tensor(blocks), rows)
+
+    def load_blocks(self, cache: KVCache, slot: int, start: int, blocks: list[int]) -> None:
+        """Copy ``blocks`` into a slot's positions from ``start`` on: one strided copy per run of consecutive
+        block ids (blocks kept together are allocated together), read in place."""
+        size = self.layout.block_size
+        rows = cache.data[:, :, slot, :, start : start + len(blocks) * size].unflatten(3, (len(blocks), size))
+        first = 0
+        for i in range(1, len(blocks) + 1):
+            if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
+                run = self.data[blocks[first] : blocks[i - 1] + 1]
+                rows[:, :, :, first:i].copy_(run.permute(1, 2, 3, 0, 4, 5))
+                first = i
 
     def _spans(self, num_tokens: int, blocks: list[int]) -> list[tuple[int, int, int]]:
         size = self.layout.block_size

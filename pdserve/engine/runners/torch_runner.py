@@ -27,6 +27,7 @@ from pdserve.engine.inproc import InProcessCore
 from pdserve.engine.kv.handoff import KVHandoff
 from pdserve.engine.kv.peers import PeerDirectory
 from pdserve.engine.kv.pool import KVBlockPool
+from pdserve.engine.kv.prefix_cache import PrefixCache
 from pdserve.engine.kv.transport import NixlTransport
 from pdserve.engine.models import LlamaForCausalLM, load_model, model_config
 from pdserve.engine.spec import EngineSpec, KVTransferSpec
@@ -41,6 +42,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 # Tokens one engine step computes (decode rows and prompt chunks) when --max-num-batched-tokens is not given.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# Positions per prefix-cache block (vLLM's default block size).
+PREFIX_CACHE_BLOCK_SIZE = 16
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +56,14 @@ class ModelFacts:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: list[int]  # primary first
+    kv_values_per_position: int  # keys and values of every layer and KV head, per position
 
 
 def read_model_facts(model_dir: Path) -> ModelFacts:
-    """Vocab size, context and EOS ids from config.json + generation_config.json (primary EOS first)."""
+    """Vocab size, context, EOS ids and KV size from config.json + generation_config.json (primary EOS first)."""
     cfg = model_config(json.loads((model_dir / "config.json").read_text()))
-    return ModelFacts(model_dir, cfg.vocab_size, cfg.max_position_embeddings, model_eos_ids(model_dir))
+    return ModelFacts(model_dir, cfg.vocab_size, cfg.max_position_embeddings, model_eos_ids(model_dir),
+                      2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim)
 
 
 @dataclass
@@ -84,6 +89,7 @@ class TorchSetup:
         seed: int = 0,
         batch_invariant: bool = False,
         kv_transfer: KVTransferSpec | None = None,
+        enable_prefix_caching: bool | None = None,
     ) -> TorchSetup:
         dtype = choose_dtype(dtype).dtype
         facts = read_model_facts(resolve_model(model))
@@ -102,6 +108,12 @@ class TorchSetup:
             eos_token_ids=list(facts.eos_token_ids),
             kv_role=kv_transfer.role if kv_transfer is not None else "both",
         )
+        if enable_prefix_caching is not False:
+            # As much as every running sequence's whole context: address space, committed as blocks are kept.
+            info.prefix_cache_blocks = -(-max_num_seqs * info.max_model_len // PREFIX_CACHE_BLOCK_SIZE)
+            info.prefix_cache_block_size = PREFIX_CACHE_BLOCK_SIZE
+            itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
+            info.prefix_cache_block_bytes = PREFIX_CACHE_BLOCK_SIZE * facts.kv_values_per_position * itemsize
         return cls(facts, info, DTYPES[dtype], seed, batch_invariant, kv_transfer)
 
     @classmethod
@@ -115,6 +127,7 @@ class TorchSetup:
             seed=spec.seed,
             batch_invariant=spec.batch_invariant,
             kv_transfer=spec.kv_transfer,
+            enable_prefix_caching=spec.enable_prefix_caching,
         )
 
     def load(self) -> StepLoop:
@@ -132,23 +145,35 @@ class TorchSetup:
             self.batch_invariant,
         )
         model = load_model(self.facts.path, self.dtype, self.info.max_model_len, batch_invariant=self.batch_invariant)
-        kv = self._kv_handoff(model) if self.kv_transfer is not None else None
-        return StepLoop(model, self.info, self.seed, kv)
+        prefix_cache = self._prefix_cache(model)
+        kv = self._kv_handoff(model, prefix_cache) if self.kv_transfer is not None else None
+        return StepLoop(model, self.info, self.seed, kv, prefix_cache)
 
-    def _kv_handoff(self, model: LlamaForCausalLM) -> KVHandoff:
-        """The block pool, registered with NIXL, and its bookkeeping; ``info.kv`` says where to pull from."""
-        spec, cfg = self.kv_transfer, model.cfg
-        assert spec is not None
-        layout = KVLayout(
+    def _layout(self, model: LlamaForCausalLM, block_size: int) -> KVLayout:
+        cfg = model.cfg
+        return KVLayout(
             num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            block_size=spec.block_size, dtype=next(k for k, v in DTYPES.items() if v == self.dtype),
+            block_size=block_size, dtype=next(k for k, v in DTYPES.items() if v == self.dtype),
             itemsize=torch.empty((), dtype=self.dtype).element_size(),
         )
+
+    def _prefix_cache(self, model: LlamaForCausalLM) -> PrefixCache | None:
+        """The prefix cache's blocks (a pool of their own, not registered with NIXL), when it is on."""
+        blocks, size = self.info.prefix_cache_blocks, self.info.prefix_cache_block_size
+        if not blocks or not size:
+            return None
+        return PrefixCache(KVBlockPool(self._layout(model, size), blocks, self.dtype))
+
+    def _kv_handoff(self, model: LlamaForCausalLM, prefix_cache: PrefixCache | None) -> KVHandoff:
+        """The block pool, registered with NIXL, and its bookkeeping; ``info.kv`` says where to pull from."""
+        spec = self.kv_transfer
+        assert spec is not None
+        layout = self._layout(model, spec.block_size)
         tokens = spec.pool_tokens or self.info.max_num_seqs * self.info.max_model_len
         pool = KVBlockPool(layout, layout.blocks_for(tokens), self.dtype)
         transport = NixlTransport(spec.engine_id, pool)
         self.info.kv = transport.agent_info()
-        return KVHandoff(spec, pool, transport, PeerDirectory(layout, spec.api_key))
+        return KVHandoff(spec, pool, transport, PeerDirectory(layout, spec.api_key), prefix_cache=prefix_cache)
 
 
 class TorchEngine(InProcessCore):

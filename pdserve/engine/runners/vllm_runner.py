@@ -9,7 +9,8 @@ lives in the server process.
 
 With ``--kv-transfer nixl`` the KV hand-off is vLLM's own NixlConnector (:func:`kv_transfer_config`): the
 legs carry vLLM's params unchanged, so a pdserve leg and a stock ``vllm serve`` leg pair either way.
-vLLM's transfer counters reach ``pdserve_kv_*`` through a stat logger (:class:`NixlStatsLogger`).
+vLLM's transfer and prefix-cache counters reach ``pdserve_kv_*`` and ``pdserve_prefix_cache_*`` through a
+stat logger (:class:`VllmStatsLogger`).
 
 vLLM is an optional install in its own venv (``make vllm-env``); it is imported only when this engine
 starts, and :func:`require_vllm` names the fix when it is missing.
@@ -106,7 +107,16 @@ def sampling_params(sampling: SequenceSampling, request: EngineRequest) -> Any:
         output_kind=RequestOutputKind.DELTA,
         stream_interval=request.stream_interval if request.stream_interval > 1 else None,
         extra_args=extra_args or None,
+        skip_reading_prefix_cache=request.skip_reading_prefix_cache,
     )
+
+
+def _prompt(request: EngineRequest) -> dict[str, Any]:
+    """vLLM's tokens prompt: the ids, and the salt its prefix cache keys blocks with."""
+    prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_token_ids)}
+    if request.cache_salt is not None:
+        prompt["cache_salt"] = request.cache_salt
+    return prompt
 
 
 def position_logprobs(position: Any) -> PositionLogprobs:
@@ -159,14 +169,17 @@ def side_channel_env(spec: KVTransferSpec) -> dict[str, str]:
     return env
 
 
-class NixlStatsLogger:
-    """A vLLM stat logger that folds the NixlConnector's transfer stats and the prompt-token breakdown
-    into pdserve's :class:`~pdserve.protocol.kv.KVStats` and prompt-computed count (what ``/metrics``
-    serves as ``pdserve_kv_*``). vLLM's pool and lease bookkeeping is its own: the pool gauges stay 0."""
+class VllmStatsLogger:
+    """A vLLM stat logger that folds the NixlConnector's transfer stats, the prompt-token breakdown and the
+    prefix cache's queries and hits into pdserve's :class:`~pdserve.protocol.kv.KVStats`, prompt-computed
+    count and prefix-cache counts (what ``/metrics`` serves as ``pdserve_kv_*`` and
+    ``pdserve_prefix_cache_*``). vLLM's pool and lease bookkeeping is its own: the pool gauges stay 0."""
 
     def __init__(self, kv: KVStats) -> None:
         self.kv = kv
         self.prompt_tokens_computed = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
         """vLLM's per-engine logger factory: a StatLoggerBase that feeds this object."""
@@ -192,6 +205,10 @@ class NixlStatsLogger:
             prompts = iteration_stats.prompt_token_stats
             self.prompt_tokens_computed += prompts.computed
             self.kv.pulled_tokens += prompts.external_kv_transfer
+        prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
+        if prefix is not None:  # this interval's, in prompt positions
+            self.prefix_cache_queries += prefix.queries
+            self.prefix_cache_hits += prefix.hits
         data = getattr(scheduler_stats, "kv_connector_stats", None) or {}
         data = data.get(KV_CONNECTOR, data)  # a MultiConnector nests each connector's stats under its name
         kv = self.kv
@@ -221,7 +238,9 @@ class VllmEngine:
         self.info = model_info(model_dir, spec)
         self._llm: Any = None
         self._running: dict[str, _RunningRequest] = {}
-        self._nixl = NixlStatsLogger(KVStats()) if spec.kv_transfer is not None else None
+        self._stats = VllmStatsLogger(KVStats())
+        # vLLM caches prefixes unless told not to (its default, as pdserve's).
+        self._prefix_caching = spec.enable_prefix_caching is not False
         if spec.kv_transfer is not None:
             self.info.kv_connector = KV_CONNECTOR
             self.info.kv_role = spec.kv_transfer.role
@@ -248,6 +267,7 @@ class VllmEngine:
             max_model_len=self.spec.max_model_len,
             max_num_seqs=self.spec.max_num_seqs,
             max_num_batched_tokens=self.spec.max_num_batched_tokens,  # None: vLLM's own default
+            **({} if self.spec.enable_prefix_caching is None else {"enable_prefix_caching": self.spec.enable_prefix_caching}),
             dtype=self.spec.dtype,
             seed=self.spec.seed,
             enforce_eager=True,
@@ -256,8 +276,7 @@ class VllmEngine:
         )
         log.warning("starting vLLM's engine on %s (dtype %s%s)", self.model_dir, self.spec.dtype,
                     f", KV over {KV_CONNECTOR} as {VLLM_KV_ROLES[kv.role]}" if kv is not None else "")
-        loggers = [self._nixl.factory] if self._nixl is not None else None
-        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])
         self.info.max_model_len = self._llm.model_config.max_model_len
 
     async def shutdown(self) -> None:
@@ -271,11 +290,13 @@ class VllmEngine:
     def stats(self) -> EngineStats:
         running = self._running.values()
         sequences = sum(live.n - len(live.stopped) for live in running)
-        nixl = self._nixl
+        logged = self._stats
         return EngineStats(
             running_requests=len(running), running_sequences=sequences,
-            prompt_tokens_computed=nixl.prompt_tokens_computed if nixl is not None else 0,
-            kv=nixl.kv if nixl is not None else None,
+            prompt_tokens_computed=logged.prompt_tokens_computed,
+            prefix_cache_queries=logged.prefix_cache_queries if self._prefix_caching else None,
+            prefix_cache_hits=logged.prefix_cache_hits if self._prefix_caching else None,
+            kv=logged.kv if self.spec.kv_transfer is not None else None,
         )
 
     async def abort(self, request_ids: list[str], cause: str = ABORT_BY_CLIENT) -> None:
@@ -306,7 +327,7 @@ class VllmEngine:
         prompt_logprobs_sent = False
         try:
             stream = self._llm.generate(
-                {"prompt_token_ids": list(request.prompt_token_ids)},
+                _prompt(request),
                 params,
                 request.request_id,
                 priority=request.priority,

@@ -155,14 +155,15 @@ def test_requests_admitted_together_prefill_in_one_batch_and_give_what_they_give
     """n=2 (its slot copied), prompt_logprobs, a one-token prompt that finishes at once, a sequence
     stopped while waiting: the same tokens, logprobs and prompt logprobs as each request alone."""
     steps = TorchSetup.create(
-        "qwen3-tiny", dtype=dtype, max_model_len=128, max_num_seqs=8, batch_invariant=batch_invariant
+        "qwen3-tiny", dtype=dtype, max_model_len=128, max_num_seqs=8, batch_invariant=batch_invariant,
+        enable_prefix_caching=False,  # each request alone computes its whole prompt again, as it did together
     ).load()
     batches: list[list[int]] = []
     prefill_batch = steps.model.prefill_batch
 
-    def recording(token_ids: Any, lengths: list[int], slots: list[int], cache: Any) -> Any:
+    def recording(token_ids: Any, lengths: list[int], *rest: Any) -> Any:
         batches.append(list(lengths))
-        return prefill_batch(token_ids, lengths, slots, cache)
+        return prefill_batch(token_ids, lengths, *rest)
 
     monkeypatch.setattr(steps.model, "prefill_batch", recording)
     requests = _admitted_together()

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from pdserve.engine.kv.handoff import KVHandoff, PullProgress
 from pdserve.engine.kv.peers import PeerDirectory
 from pdserve.engine.kv.pool import KVBlockPool
+from pdserve.engine.kv.prefix_cache import PrefixCache, block_hashes
 from pdserve.engine.kv.transport import TransferError
 from pdserve.engine.models import KVCache, ModelConfig
 from pdserve.engine.spec import KVTransferSpec
@@ -183,6 +184,35 @@ def test_a_pull_reads_into_local_blocks_notifies_and_loads() -> None:
     s = kv.stats()
     assert (s.pulls_ok, s.pulled_blocks, s.pulled_tokens, s.pulled_bytes) == (1, 3, 10, 3 * LAYOUT.block_bytes)
     assert s.free_blocks == 8 and sum(s.pull_seconds_counts) == 1
+
+
+def test_a_pull_reads_only_the_blocks_the_prefix_cache_lacks() -> None:
+    """A decode leg whose prompt starts with blocks this engine cached READs the rest only; the cached ones
+    are copied from the cache. Its last block is always READ (the READ's notification frees the lease)."""
+    transport, clock = FakeTransport(), Clock()
+    prefix = PrefixCache(KVBlockPool(LAYOUT, 16, torch.float32))
+    kv = KVHandoff(SPEC, KVBlockPool(LAYOUT, 8, torch.float32), transport,  # type: ignore[arg-type]
+                   FakePeers(REMOTE), clock=clock, wall=clock, prefix_cache=prefix)  # type: ignore[arg-type]
+    prompt = list(range(20, 32))  # 12 tokens: 3 blocks of 4
+    keys = block_hashes(prompt, LAYOUT.block_size, None)
+    source = filled_cache()
+    prefix.store(keys[:2], source, 1, 8)  # the first two blocks, from an earlier request
+    kv.begin_pull("dec", pull(num_tokens=12, blocks=[7, 8, 9]), 12, keys)
+    kv.advance()
+    (remote_blocks, local_blocks, _), = transport.reads
+    assert remote_blocks == [9] and len(local_blocks) == 1
+    kv.pool.data[local_blocks[0]] = 5.0  # what the READ brought
+    transport.states = ["DONE"]
+    assert kv.advance().ready == ["dec"]
+    target = KVCache(CFG, 1, 40, torch.float32)
+    assert kv.load("dec", target, 0, 12) == 8
+    assert torch.equal(target.data[:, :, 0, :, :8], source.data[:, :, 1, :, :8])
+    assert target.data[:, :, 0, :, 8:12].eq(5.0).all()
+    s = kv.stats()
+    assert (s.pulled_blocks, s.local_prefix_blocks, s.pulled_tokens) == (1, 2, 4)
+    kv.begin_pull("whole", pull(num_tokens=8, blocks=[3, 4]), 8, keys[:2])  # all cached: the last block still READ
+    kv.advance()
+    assert transport.reads[-1][0] == [4]
 
 
 def test_a_landed_pull_that_waits_for_a_slot_is_never_read_again() -> None:
