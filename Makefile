@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	# NIXL (KV hand-off between engines, --kv-transfer nixl): the wheel declares a bare "torch",
 	# which would pull a CUDA build, so it goes in after the pinned torch without its deps.
 	$(BIN)/python -m pip install -q --no-deps nixl-cu12==1.5.1
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v prometheus >/dev/null; then { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; } || echo "Debian's prometheus not installed: pdserve up --prometheus only writes its config, tests/e2e/test_prometheus_dashboard.py skips"; fi
 	touch $(STAMP)
 
 serve: install

@@ -4,6 +4,9 @@ health-check task that runs for the app's lifetime.
 A client that leaves aborts both legs: before the decode stream starts, the leg in flight is
 cancelled (closing its connection, which a pdserve server treats as an abort); once streaming, the
 response closes the decode stream whichever way it ends.
+
+Every answer carries a ``Server-Timing`` header of its legs (:mod:`pdserve.proxy.record`): a batch answer
+all of them, a stream those done before its first byte (render, prefill).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pdserve.protocol.keepalive import CLIENT_KEEP_ALIVE_EXPIRY_S
 from pdserve.protocol.sse import DONE
 from pdserve.proxy.flow import ClientRequestError, Kind, Orchestrator
 from pdserve.proxy.pool import check_pools, health_loop
+from pdserve.proxy.record import RequestRecord
 from pdserve.proxy.upstream import UpstreamError, error_body, send
 from pdserve.web.disconnect import ClientGone, unless_disconnected
 
@@ -59,6 +63,12 @@ class _RelayedStream(StreamingResponse):
             with contextlib.suppress(Exception):
                 await self._events.aclose()  # type: ignore[attr-defined]
             await self._on_close()
+
+
+def _server_timing(record: RequestRecord) -> dict[str, str]:
+    """The W3C ``Server-Timing`` header of the legs recorded so far (browsers' dev tools and tracing
+    proxies read it without a client change)."""
+    return {"server-timing": record.server_timing()}
 
 
 async def _client_body(request: Request) -> dict[str, Any]:
@@ -142,7 +152,8 @@ def create_app(orch: Orchestrator, health: HealthSettings = HealthSettings(), ap
             body = await _client_body(request)
             prepared = await unless_disconnected(request.receive, orch.prepare(kind, body, request_id))
             if not body.get("stream"):
-                return JSONResponse(await unless_disconnected(request.receive, orch.batch(prepared)), headers=headers)
+                answer = await unless_disconnected(request.receive, orch.batch(prepared))
+                return JSONResponse(answer, headers=headers | _server_timing(prepared.record))
             upstream = await unless_disconnected(request.receive, orch.open_stream(prepared))
         except UpstreamError as e:
             return JSONResponse(e.body, status_code=e.status, headers=headers | e.headers)
@@ -164,7 +175,9 @@ def create_app(orch: Orchestrator, health: HealthSettings = HealthSettings(), ap
             await upstream.aclose()
             count(kind, status)
 
-        return _RelayedStream(events(), on_close, headers)
+        # The legs known before the first byte (render, prefill); the decode leg's times come after the
+        # headers went out, so only the finishing chunk's metrics can carry them.
+        return _RelayedStream(events(), on_close, headers | _server_timing(prepared.record))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

@@ -68,6 +68,10 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-keep-alive", type=_positive, default=SERVER_KEEP_ALIVE_S,
                    help="seconds an idle client connection stays open (above the clients' idle expiry: "
                    "httpx and the openai SDK keep 5 s)")
+    p.add_argument("--enable-per-request-metrics", action="store_true",
+                   help="vLLM's flag: each answer's metrics (a stream's finishing chunk's) name every leg, its member "
+                   "and its times, and any retry or migration (a Server-Timing header is on every batch answer "
+                   "either way)")
     p.add_argument("--log-level", default="warning")
 
 

@@ -8,6 +8,11 @@ Every leg carries the same ``X-Request-Id``. Everything up to the decode stream'
 before the client gets a status, so render/prefill failures keep their HTTP status. After that a decode
 leg that fails moves to another decode member (:mod:`~pdserve.proxy.migration`), and what cannot go on is
 an error event followed by ``[DONE]``.
+
+Each request's legs, members, retries and migrations go into its :class:`~pdserve.proxy.record.RequestRecord`
+(the ``Server-Timing`` header, the phase histograms, and the ``metrics`` object with
+``--enable-per-request-metrics``). The proxy owns its answers' ``metrics``: a member's never reaches the
+client as it is, only inside the record.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 import httpx
@@ -30,6 +35,7 @@ from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.migration import LegBroken, Resumption
 from pdserve.proxy.modes import Mode
 from pdserve.proxy.pool import Member, Pool
+from pdserve.proxy.record import Leg, RequestRecord
 from pdserve.proxy.upstream import OpenStream, UpstreamError, error_body, open_stream, post_json
 
 Kind = Literal["chat", "completions"]
@@ -67,6 +73,7 @@ class Prepared:
     rendered: dict[str, Any]
     headers: dict[str, str]
     kv_transfer_params: dict[str, Any] | None
+    record: RequestRecord = field(default_factory=RequestRecord)
 
     @property
     def response_id(self) -> str:
@@ -111,12 +118,14 @@ class Orchestrator:
     """The pools, the shared HTTP client, the mode and the metrics: what every request needs."""
 
     def __init__(self, client: httpx.AsyncClient, render: Pool, prefill: Pool, decode: Pool, mode: Mode,
-                 metrics: ProxyMetrics, migration: MigrationSettings = MigrationSettings()):
+                 metrics: ProxyMetrics, migration: MigrationSettings = MigrationSettings(),
+                 per_request_metrics: bool = False):
         self.client = client
         self.render, self.prefill, self.decode = render, prefill, decode
         self.mode = mode
         self.metrics = metrics
         self.migration = migration
+        self.per_request_metrics = per_request_metrics  # --enable-per-request-metrics
         self.in_flight = 0  # client requests being answered (streams until they close)
         self.draining = False  # shutting down: new requests get 503
         self._streams: set[OpenStream] = set()  # decode streams being relayed
@@ -135,12 +144,15 @@ class Orchestrator:
         return self.render, self.prefill, self.decode
 
     async def _timed(self, leg: str, pool: Pool, path: str, body: Any, headers: dict[str, str],
-                     exclude: Collection[str] = ()) -> tuple[Member, Any]:
+                     exclude: Collection[str] = ()) -> tuple[Member, Any, float]:
+        """POST to a member of ``pool``: the member, its JSON answer and the seconds it took."""
         start = time.perf_counter()
         try:
-            return await post_json(self.client, pool, path, body, headers, exclude)
+            member, answer = await post_json(self.client, pool, path, body, headers, exclude)
         finally:
-            self.metrics.leg_seconds.labels(leg).observe(time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.metrics.leg_seconds.labels(leg).observe(seconds)
+        return member, answer, seconds
 
     def _check(self, body: dict[str, Any]) -> None:
         if self.mode == "derender-tier" and body.get("stream") and body.get("stop"):
@@ -151,9 +163,11 @@ class Orchestrator:
 
     async def prepare(self, kind: Kind, body: dict[str, Any], request_id: str) -> Prepared:
         """Render once and run the prefill leg."""
+        record = RequestRecord()
         self._check(body)
         headers = {"x-request-id": request_id}
-        _, rendered = await self._timed("render", self.render, RENDER_PATH[kind], body, headers)
+        member, rendered, seconds = await self._timed("render", self.render, RENDER_PATH[kind], body, headers)
+        record.render = Leg(member.url, seconds)
         if kind == "completions":
             if len(rendered) != 1:
                 raise ClientRequestError(
@@ -161,20 +175,26 @@ class Orchestrator:
                     "send each prompt as its own request", "prompt",
                 )
             rendered = rendered[0]
-        prefilled = await self._prefill(prefill_body(rendered), headers)
-        return Prepared(kind, body, rendered, headers, prefilled.get("kv_transfer_params"))
+        prefilled = await self._prefill(prefill_body(rendered), headers, record)
+        self.metrics.observe_phases(record.prefill_phases())
+        return Prepared(kind, body, rendered, headers, prefilled.get("kv_transfer_params"), record)
 
-    async def _prefill(self, body: dict[str, Any], headers: dict[str, str]) -> Any:
+    async def _prefill(self, body: dict[str, Any], headers: dict[str, str], record: RequestRecord) -> Any:
         """The prefill leg; sent once more, to another member, when its member fails mid-request (died): a
         prefill's output is never shown, so running it twice is safe (the dead member's lease, if it made
-        one, expires with it)."""
+        one, expires with it). The record's prefill leg spans both tries."""
+        start = time.perf_counter()
         try:
-            return (await self._timed("prefill", self.prefill, GENERATE, body, headers))[1]
+            member, answer, _ = await self._timed("prefill", self.prefill, GENERATE, body, headers)
         except UpstreamError as e:
             if e.failed_member is None:
                 raise
             self.metrics.retries.labels("prefill").inc()
-            return (await self._timed("prefill", self.prefill, GENERATE, body, headers, exclude={e.failed_member}))[1]
+            member, answer, _ = await self._timed("prefill", self.prefill, GENERATE, body, headers,
+                                                  exclude={e.failed_member})
+            record.retried("prefill", e.cause or "dropped", e.failed_member, member.url)
+        record.prefill_answered(member.url, time.perf_counter() - start, answer)
+        return answer
 
     def _model(self, member: Member, p: Prepared) -> str:
         return member.model or self.decode.model or p.body.get("model") or "pdserve"
@@ -182,8 +202,18 @@ class Orchestrator:
     # ------------------------------------------------------------ batch
 
     async def batch(self, p: Prepared) -> dict[str, Any]:
+        """The client's batch answer; with ``--enable-per-request-metrics`` its ``metrics`` are the record's."""
         body = decode_body(p.rendered, decode_mode(self.mode, p.kind), p.kv_transfer_params)
-        member, response = await self._timed("decode", self.decode, GENERATE, body, p.headers)
+        p.record.decode_started()
+        member, response, seconds = await self._timed("decode", self.decode, GENERATE, body, p.headers)
+        p.record.decode_answered(member.url, seconds, response)
+        self.metrics.observe_phases(p.record.decode_phases())
+        answer = await self._batch_answer(p, member, response)
+        if self.per_request_metrics:
+            answer["metrics"] = p.record.metrics()
+        return answer
+
+    async def _batch_answer(self, p: Prepared, member: Member, response: dict[str, Any]) -> dict[str, Any]:
         model = self._model(member, p)
         if self.mode == "derender-tier":
             return await self._derender_batch(p, response, model)
@@ -204,8 +234,9 @@ class Orchestrator:
             request = {"generate_response": response, "prompt_token_ids": prompt, "prompt_tokens": n_prompt}
         else:
             request = {"generate_responses": [response], "prompt_token_ids": [prompt], "prompt_tokens": [n_prompt]}
-        _, answer = await self._timed("derender", self.render, DERENDER_PATH[p.kind],
-                                      request | p.derender_request(), p.headers)
+        _, answer, seconds = await self._timed("derender", self.render, DERENDER_PATH[p.kind],
+                                               request | p.derender_request(), p.headers)
+        p.record.derendered(seconds)
         return relay.renamed(answer, p.response_id, model)
 
     # ------------------------------------------------------------ stream
@@ -217,21 +248,25 @@ class Orchestrator:
         migration is off."""
         mode = decode_mode(self.mode, p.kind)
         body = decode_body(p.rendered, mode, p.kv_transfer_params)
+        p.record.decode_started()
         try:
             return await open_stream(self.client, self.decode, "POST", GENERATE, body, p.headers)
         except UpstreamError as e:
             if e.failed_member is None or self.migration.limit <= 0:
                 raise
             self.metrics.retries.labels("decode").inc()
-            return await open_stream(self.client, self.decode, "POST", GENERATE, decode_body(p.rendered, mode, None),
-                                     p.headers, exclude={e.failed_member})
+            stream = await open_stream(self.client, self.decode, "POST", GENERATE,
+                                       decode_body(p.rendered, mode, None), p.headers, exclude={e.failed_member})
+            p.record.retried("decode", e.cause or "dropped", e.failed_member, stream.member.url)
+            return stream
 
     async def events(self, p: Prepared, stream: OpenStream) -> AsyncIterator[str]:
         """The client's SSE events from an open decode stream; always ends with ``[DONE]``.
 
         A decode leg that breaks moves to another decode member when it can (:meth:`_migrate`). Closing
         this iterator (the client left) closes the decode stream, which aborts the request on the decode
-        server."""
+        server. With ``--enable-per-request-metrics`` the chunk that finishes the request (its last choice)
+        carries the record as ``metrics``, as a server puts its own on that chunk."""
         model = self._model(stream.member, p)
         start = time.perf_counter()
         surface = self._surface(p, model)
@@ -254,8 +289,11 @@ class Orchestrator:
                                 yield sse_event(relay.usage_chunk(surface, chunk["usage"]))
                             continue
                         resumption.saw(chunk)
+                        finished = p.record.saw(chunk, stream.member.url, p.n)
                         out = await convert(chunk)
                         if out is not None:
+                            if finished and self.per_request_metrics:
+                                out["metrics"] = p.record.metrics()
                             yield sse_event(out)
                     break
                 except LegBroken as broken:
@@ -270,6 +308,7 @@ class Orchestrator:
             self._streams.discard(stream)
             await stream.aclose()
             self.metrics.leg_seconds.labels("decode").observe(time.perf_counter() - start)
+            self.metrics.observe_phases(p.record.decode_phases())
         yield DONE
 
     async def _migrate(self, p: Prepared, broken_stream: OpenStream, resumption: Resumption,
@@ -288,6 +327,7 @@ class Orchestrator:
             self.metrics.migrations.labels(broken.cause, "failed").inc()
             raise _explained(broken.error, f"moving it to another decode member failed: {e}") from None
         self.metrics.migrations.labels(broken.cause, "moved").inc()
+        p.record.migrated(broken.cause, broken_stream.member.url, stream.member.url)
         return stream
 
     def _converter(self, p: Prepared, surface: relay.Surface) -> Callable[[dict[str, Any]], Any]:
@@ -301,8 +341,9 @@ class Orchestrator:
             index = chunk["choices"][0]["index"]
             request = {"stream": True, "generate_chunk": chunk, "stream_state": states.get(index),
                        "prompt_token_ids": p.prompt_token_ids, "prompt_tokens": len(p.prompt_token_ids)}
-            _, answer = await self._timed("derender", self.render, DERENDER_PATH[p.kind],
-                                          request | p.derender_request(), p.headers)
+            _, answer, seconds = await self._timed("derender", self.render, DERENDER_PATH[p.kind],
+                                                   request | p.derender_request(), p.headers)
+            p.record.derendered(seconds)
             states[index] = answer["stream_state"]
             out = answer["chunk"]
             if isinstance(surface, ChatSurface):

@@ -74,5 +74,6 @@ def derendered_completion(surface: CompletionsSurface, generate_chunk: dict[str,
 
 def renamed(answer: dict[str, Any], response_id: str, model: str) -> dict[str, Any]:
     """A ``/derender`` answer (named after the generate request and the render server's tokenizer)
-    under the client's response id and the decode pool's model."""
-    return {**answer, "id": response_id, "model": model}
+    under the client's response id and the decode pool's model, without the ``metrics`` ``/derender``
+    passes through from the decode member (the proxy's own go there: :mod:`pdserve.proxy.record`)."""
+    return {**answer, "id": response_id, "model": model, "metrics": None}

@@ -33,11 +33,17 @@ def _migration_line(settings: MigrationSettings) -> str:
     return f"up to {settings.limit} move(s) per stream, a decode leg silent {settings.stall_timeout_s:g} s counts as hung"
 
 
+def _metrics_line(orch: Orchestrator) -> str:
+    legs = "legs in each answer's metrics" if orch.per_request_metrics else "no per-request metrics"
+    return f"Server-Timing on batch answers, {legs} (--enable-per-request-metrics)"
+
+
 def ready_banner(orch: Orchestrator, url: str) -> str:
     """Where it listens, the mode, and each pool with its members' health at start."""
     lines = [f"pdserve proxy ready on {url}", f"  mode       {orch.mode}",
              f"  routing    {orch.decode.routing}",
-             f"  migration  {_migration_line(orch.migration)}"]
+             f"  migration  {_migration_line(orch.migration)}",
+             f"  metrics    {_metrics_line(orch)}"]
     lines += [f"  {pool.name:<10} {_pool_line(pool)}" for pool in orch.pools]
     lines.append(f"  routes     {ROUTES}")
     return "\n".join(lines)
@@ -113,7 +119,7 @@ def build_orchestrator(args: argparse.Namespace) -> Orchestrator:
     client = make_client(args.connect_timeout_s, args.upstream_timeout_s)
     return Orchestrator(client, pool("render", args.render), pool("prefill", args.prefill),
                         pool("decode", args.decode, decode_admission(args.mode)), args.mode, metrics,
-                        MigrationSettings(args.migration_limit, args.stall_timeout_s))
+                        MigrationSettings(args.migration_limit, args.stall_timeout_s), args.enable_per_request_metrics)
 
 
 async def _refusals_at_start(orch: Orchestrator, timeout_s: float) -> list[str]:

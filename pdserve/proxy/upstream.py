@@ -38,12 +38,13 @@ class UpstreamError(Exception):
     that go with it (``Retry-After`` on a 503)."""
 
     def __init__(self, status: int, body: dict[str, Any], headers: Mapping[str, str] | None = None,
-                 failed_member: str | None = None):
+                 failed_member: str | None = None, cause: str | None = None):
         super().__init__(body.get("error", {}).get("message", str(body)))
         self.status = status
         self.body = body
         self.headers = dict(headers or {})
         self.failed_member = failed_member  # the URL of a member that failed mid-request
+        self.cause = cause  # how it failed (dropped, garbage), for the request's record of retries
 
     @classmethod
     def unavailable(cls, e: PoolUnavailable) -> UpstreamError:
@@ -51,9 +52,9 @@ class UpstreamError(Exception):
         return cls(503, error_body(str(e), 503, "ServiceUnavailableError"), headers)
 
     @classmethod
-    def failed(cls, pool: Pool, member: Member, e: Exception) -> UpstreamError:
+    def failed(cls, pool: Pool, member: Member, e: Exception, cause: str = "dropped") -> UpstreamError:
         message = f"{pool.name} server {member.url} failed mid-request: {type(e).__name__}: {e}"
-        return cls(502, error_body(message, 502, "BadGatewayError"), failed_member=member.url)
+        return cls(502, error_body(message, 502, "BadGatewayError"), failed_member=member.url, cause=cause)
 
 
 def relayed_error(pool: Pool, member: Member, status: int, raw: bytes,
@@ -180,4 +181,4 @@ async def post_json(
     try:
         return member, response.json()
     except ValueError as e:
-        raise UpstreamError.failed(pool, member, e) from None
+        raise UpstreamError.failed(pool, member, e, cause="garbage") from None

@@ -26,6 +26,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true")
     p.add_argument("--api-key", default=None, help="the proxy's API key (the servers listen on loopback only)")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--prometheus", action="store_true",
+                   help="write a Prometheus scrape configuration for every member into the run directory and, "
+                   "if the prometheus binary is installed, run it beside the fleet (docs/observability.md)")
 
 
 def parser_flags(args: argparse.Namespace) -> tuple[str, ...]:
@@ -74,4 +77,5 @@ def run_up(args: argparse.Namespace, serve_flags: list[str]) -> int:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 2
     on_vllm = args.engine == "vllm"
-    return run(specs, args.mode, model, VLLM_STARTUP_TIMEOUT_S if on_vllm else STARTUP_TIMEOUT_S, warm_up=on_vllm)
+    return run(specs, args.mode, model, VLLM_STARTUP_TIMEOUT_S if on_vllm else STARTUP_TIMEOUT_S, warm_up=on_vllm,
+               prometheus=args.prometheus, api_key=args.api_key)

@@ -1,11 +1,13 @@
 """Run a planned topology: start the servers, wait (with progress) until each is healthy, start the
 proxy, print every URL, then watch: a member that exits is reported once (name, pid, exit code, log)
 and left to the proxy's health check, which takes it out of rotation. Ctrl-C / SIGTERM, or the proxy
-exiting, stops every process group.
+exiting, stops every process group. With ``--prometheus`` a Prometheus (pdserve.topology.prometheus)
+starts with the servers, is printed and watched with them, and stops with them.
 """
 
 from __future__ import annotations
 
+import shutil
 import signal
 import tempfile
 import time
@@ -16,6 +18,7 @@ import httpx
 
 from pdserve.topology.members import MemberSpec, member_process
 from pdserve.topology.process import ServerProcess, stop_all
+from pdserve.topology.prometheus import Monitoring, prepare
 from pdserve.topology.warmup import WarmUpFailed, warm_pairs
 
 STARTUP_TIMEOUT_S = 300.0
@@ -57,25 +60,39 @@ def wait_healthy(members: list[ServerProcess], timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def summary(members: list[ServerProcess], mode: str, model: str, log_dir: Path) -> str:
+def summary(members: list[ServerProcess], mode: str, model: str, log_dir: Path,
+            monitoring: Monitoring | None = None) -> str:
     proxy = members[-1]
     lines = [f"pdserve up: ready: {model}, mode {mode}"]
     lines += [f"  {m.name:<10} {m.url:<24} pid {m.pid}" for m in members]
+    if monitoring is not None:
+        lines += monitoring_lines(monitoring)
     lines += [f"  logs       {log_dir}", f"OpenAI base URL: {proxy.url}/v1", "Ctrl-C stops them all."]
     return "\n".join(lines)
 
 
-def _report_exits(members: list[ServerProcess], reported: set[str], proxy: str) -> ServerProcess | None:
+def monitoring_lines(monitoring: Monitoring) -> list[str]:
+    """Prometheus' URL and pid (or why it did not start) and where its scrape configuration is."""
+    prom = monitoring.process
+    if prom is None:
+        return [f"  prometheus not started: {monitoring.not_started}",
+                f"  scrape     {monitoring.config} (for a Prometheus of your own)"]
+    return [f"  {prom.name:<10} {prom.url:<24} pid {prom.pid}", f"  scrape     {monitoring.config}"]
+
+
+def _report_exits(members: list[ServerProcess], reported: set[str], proxy: str,
+                  beside: list[ServerProcess]) -> ServerProcess | None:
     """Report each newly exited member once (``reported``: the names already reported); the proxy
-    (named ``proxy``), if it is one of them."""
-    for member in members:
+    (named ``proxy``), if it is one of them. ``beside``: processes that serve no pool (Prometheus): their
+    exit is reported, and the fleet goes on without them."""
+    for member in members + beside:
         code = member.exit_code()
         if code is None or member.name in reported:
             continue
         reported.add(member.name)
         member.signal_group(signal.SIGKILL)  # what it started (its engine core) goes with it
-        say(f"{member.name} (pid {member.pid}, {member.url}) exited with code {code}; "
-            f"the proxy takes it out of rotation (log: {member.log_path})")
+        then = "the fleet runs on without it" if member in beside else "the proxy takes it out of rotation"
+        say(f"{member.name} (pid {member.pid}, {member.url}) exited with code {code}; {then} (log: {member.log_path})")
         if member.name == proxy:
             return member
     return None
@@ -95,13 +112,17 @@ def warm_hand_offs(specs: list[MemberSpec], timeout_s: float) -> None:
 
 
 def run(specs: list[MemberSpec], mode: str, model: str, startup_timeout_s: float = STARTUP_TIMEOUT_S,
-        warm_up: bool = False) -> int:
+        warm_up: bool = False, prometheus: bool = False, api_key: str | None = None) -> int:
     """Start, supervise and stop the topology; the exit code of ``pdserve up``. ``warm_up``: one hand-off
-    per prefill and decode pair before the proxy starts (vLLM engines)."""
+    per prefill and decode pair before the proxy starts (vLLM engines). ``prometheus``: write the scrape
+    configuration into the run directory and run Prometheus beside the fleet if it is installed
+    (``api_key``: the proxy's, for the proxy's scrapes)."""
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
     servers = [member_process(s, log_dir) for s in specs if s.role != "proxy"]
     proxy = [member_process(s, log_dir) for s in specs if s.role == "proxy"]
     members = servers + proxy
+    monitoring = prepare(specs, log_dir, api_key, shutil.which("prometheus")) if prometheus else None
+    beside: list[ServerProcess] = [monitoring.process] if monitoring is not None and monitoring.process is not None else []
     stopping = False
 
     def _stop(signum: int, _frame: FrameType | None) -> None:
@@ -112,17 +133,19 @@ def run(specs: list[MemberSpec], mode: str, model: str, startup_timeout_s: float
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     code = 0
     try:
-        say(f"starting {', '.join(m.name for m in servers)} (logs in {log_dir})")
-        for member in servers:
+        say(f"starting {', '.join(m.name for m in servers + beside)} (logs in {log_dir})")
+        if monitoring is not None and monitoring.process is None:
+            say(f"Prometheus not started: {monitoring.not_started}; its scrape configuration is {monitoring.config}")
+        for member in servers + beside:
             member.spawn()
-        wait_healthy(servers, startup_timeout_s)
+        wait_healthy(servers + beside, startup_timeout_s)
         if warm_up:
             warm_hand_offs(specs, startup_timeout_s)
         proxy[0].spawn()
         wait_healthy(proxy, startup_timeout_s)
-        print(summary(members, mode, model, log_dir), flush=True)
+        print(summary(members, mode, model, log_dir, monitoring), flush=True)
         reported: set[str] = set()
-        while _report_exits(members, reported, proxy[0].name) is None:
+        while _report_exits(members, reported, proxy[0].name, beside) is None:
             time.sleep(WATCH_POLL_S)
         code = 1  # the proxy is gone: nothing routes to the servers any more
     except StartupFailed as e:
@@ -134,7 +157,7 @@ def run(specs: list[MemberSpec], mode: str, model: str, startup_timeout_s: float
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C does not cut the shutdown short
         say("stopping every member")
-        stop_all([m for m in members if m.proc is not None])
+        stop_all([m for m in members + beside if m.proc is not None])
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         say("stopped")

@@ -59,6 +59,13 @@ def test_a_derendered_completions_chunk_follows_the_same_rule() -> None:
     assert renamed is not None and renamed["id"] == "cmpl-x" and renamed["model"] == "m"
 
 
+def test_a_derender_answer_loses_the_decode_members_metrics() -> None:
+    """/derender passes a generate response's metrics through; the client's metrics are the proxy's own."""
+    answer = {"id": "g", "model": "tok", "choices": [], "metrics": {"time_to_first_token_ms": 1.0}}
+    assert relay.renamed(answer, "chatcmpl-x", "m") == {"id": "chatcmpl-x", "model": "m", "choices": [],
+                                                        "metrics": None}
+
+
 def test_batch_answers_from_decode_responses() -> None:
     chat = relay.chat_response(relay.chat_surface("chatcmpl-x", "m", 1, return_token_ids=True), {
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop",

@@ -1,0 +1,125 @@
+"""One request's legs through ``pdserve proxy`` on loopback (docs/observability.md, "One request's legs"): the
+``Server-Timing`` header of a batch answer, the ``metrics`` object with ``--enable-per-request-metrics``
+(batch, and a stream's finishing chunk) naming the members that served each leg, nothing of it without the
+flag, and the proxy's leg and phase histograms.
+
+qwen3-tiny on the torch engine with the KV hand-off on (the scripted engine has no KV to hand off); the prefill
+and decode members run ``--enable-per-request-metrics`` too, so their own figures (queue, compute) reach the
+record and the phase histograms.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from pdserve.checkpoints.resolve import resolve_model
+from pdserve.topology.process import start_all, stop_all
+from tests.serverproc import ServerProcess
+from tests.sse import stream_post
+
+MODEL = "qwen3-tiny"
+ENGINE = (MODEL, "--kv-transfer", "nixl", "--enable-per-request-metrics")
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+LEGS = ("render", "prefill", "decode")
+PHASES = (("prefill", "queue"), ("prefill", "compute"), ("decode", "queue"), ("decode", "ttft"), ("decode", "tpot"))
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[dict[str, ServerProcess]]:
+    """A render, a prefill and a decode member; one proxy with --enable-per-request-metrics, one without."""
+    render = ServerProcess("launch", "render", "--tokenizer", str(resolve_model(MODEL)))
+    prefill = ServerProcess("serve", *ENGINE, "--tokens-only", "--kv-role", "prefill")
+    decode = ServerProcess("serve", *ENGINE, "--kv-role", "decode")
+    servers = [render, prefill, decode]
+    try:
+        start_all(servers)
+
+        def proxy(*extra: str) -> ServerProcess:
+            return ServerProcess("proxy", "--render", render.url, "--prefill", prefill.url, "--decode", decode.url,
+                                 *extra)
+
+        proxies = [proxy("--enable-per-request-metrics"), proxy()]
+        servers += proxies
+        start_all(proxies)
+        yield {"render": render, "prefill": prefill, "decode": decode, "on": proxies[0], "off": proxies[1]}
+    finally:
+        stop_all(servers)
+
+
+def _server_timing(header: str) -> dict[str, float]:
+    """``name;dur=MS, ...`` as a dict (each entry exactly one name and one dur)."""
+    entries = [entry.split(";") for entry in header.split(", ")]
+    assert all(len(e) == 2 and e[1].startswith("dur=") for e in entries), header
+    return {name: float(dur[len("dur="):]) for name, dur in entries}
+
+
+def _chat(proxy: ServerProcess) -> tuple[httpx.Response, float]:
+    """A batch chat answer and the client's latency for it, in ms."""
+    start = time.perf_counter()
+    r = httpx.post(proxy.url + "/v1/chat/completions", json=CHAT, timeout=60)
+    latency_ms = (time.perf_counter() - start) * 1000
+    assert r.status_code == 200, r.text
+    return r, latency_ms
+
+
+def _members(metrics: dict[str, Any]) -> dict[str, str]:
+    return {leg: metrics["legs"][leg]["member"] for leg in LEGS}
+
+
+def test_a_batch_answer_times_its_legs_in_server_timing_and_without_the_flag_has_no_metrics(fleet) -> None:  # type: ignore[no-untyped-def]
+    r, latency_ms = _chat(fleet["off"])
+    timing = _server_timing(r.headers["server-timing"])
+    assert list(timing) == list(LEGS)  # kv only where the decode member reports its pull
+    assert all(ms > 0 for ms in timing.values()), timing
+    assert sum(timing.values()) <= latency_ms
+    assert r.json()["metrics"] is None
+    events, done = stream_post(fleet["off"].url + "/v1/chat/completions", CHAT | {"stream": True})
+    assert done and all(e["metrics"] is None for e in events)
+
+
+def test_with_the_flag_the_metrics_name_the_members_that_served_each_leg(fleet) -> None:  # type: ignore[no-untyped-def]
+    members = {leg: fleet[leg].url for leg in LEGS}
+    r, latency_ms = _chat(fleet["on"])
+    metrics = r.json()["metrics"]
+    assert _members(metrics) == members
+    legs = metrics["legs"]
+    assert legs["prefill"]["queue_ms"] is not None and legs["prefill"]["compute_ms"] > 0  # the member's report
+    assert legs["decode"]["tokens"] == CHAT["max_tokens"] and legs["decode"]["reported"]["mean_itl_ms"] > 0
+    assert 0 < metrics["time_to_first_token_ms"] < latency_ms
+    assert metrics["migrations"] == [] and metrics["retries"] == []
+    assert _server_timing(r.headers["server-timing"]) == {leg: round(legs[leg]["total_ms"], 1) for leg in LEGS}
+
+    events, done = stream_post(fleet["on"].url + "/v1/chat/completions", CHAT | {"stream": True})
+    assert done and all(e["metrics"] is None for e in events[:-1])
+    final = events[-1]
+    assert final["choices"][0]["finish_reason"] == "length"
+    assert _members(final["metrics"]) == members
+    decode = final["metrics"]["legs"]["decode"]
+    assert decode["ttft_ms"] > 0 and decode["tpot_ms"] > 0 and decode["tokens"] == CHAT["max_tokens"]
+
+
+def _count(proxy: ServerProcess, name: str, **labels: str) -> float:
+    selector = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return proxy.metric(f"{name}_count{{{selector}}}", missing=0)
+
+
+def test_the_histograms_count_one_observation_per_leg_and_phase_per_request(fleet) -> None:  # type: ignore[no-untyped-def]
+    proxy = fleet["on"]
+
+    def counts() -> dict[tuple[str, ...], float]:
+        out = {(leg,): _count(proxy, "pdserve_proxy_leg_seconds", leg=leg) for leg in LEGS}
+        out |= {(leg, phase): _count(proxy, "pdserve_proxy_leg_phase_seconds", leg=leg, phase=phase)
+                for leg, phase in PHASES}
+        return out
+
+    before = counts()
+    _chat(proxy)
+    stream_post(proxy.url + "/v1/chat/completions", CHAT | {"stream": True})
+    after = counts()
+    assert {key: after[key] - before[key] for key in after} == dict.fromkeys(after, 2)
