@@ -8,7 +8,9 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
+from tests.serverproc import PORT_ATTEMPTS
 from tests.waiting import wait_until
 
 MEMBER_LINE = re.compile(r"^  (render|prefill-\d+|decode-\d+|proxy)\s+(http://\S+)\s+pid (\d+)$", re.MULTILINE)
@@ -52,3 +54,27 @@ class Up:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+def start_up(*args: str) -> tuple[Up, str]:
+    """A ready ``pdserve up``, started again (on other free ports) when a member lost its port: with
+    ``--port 0`` it picks each member's free port, and the member binds it seconds later, so another
+    process on the host may take it in between (tests/serverproc.py, PORT_ATTEMPTS)."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        topology = Up(*args)
+        try:
+            return topology, topology.wait_ready()
+        except AssertionError:
+            topology.stop()
+            if attempt == PORT_ATTEMPTS or "address already in use" not in topology.output.lower():
+                raise
+    raise AssertionError("unreachable")
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie nobody reaped yet counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"

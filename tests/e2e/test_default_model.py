@@ -29,8 +29,12 @@ def test_chat_answers_paris(server) -> None:  # type: ignore[no-untyped-def]
 
 @pytest.mark.slow
 def test_render_then_inline_derender_and_text(server) -> None:  # type: ignore[no-untyped-def]
+    # The chat above left the prompt's first block in the prefix cache. Reading it, the rest of the prompt is
+    # computed past it (bf16, not --batch-invariant: equal to a whole prefill to rounding, and SmolLM2's greedy
+    # answer here hangs on a near tie), so both modes compute the whole prompt, as the chat did.
     rendered = httpx.post(server.url + "/v1/chat/completions/render", timeout=30,
                           json={"messages": QUESTION, "temperature": 0, "max_tokens": 24}).json()
+    rendered["sampling_params"]["skip_reading_prefix_cache"] = True
     derender = httpx.post(server.url + "/inference/v1/generate", timeout=120,
                           json={**rendered, "output_mode": "derender"}).json()["choices"][0]
     assert "Paris" in derender["message"]["content"]

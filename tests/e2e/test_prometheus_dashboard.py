@@ -30,8 +30,7 @@ from pdserve.topology.members import MemberSpec
 from pdserve.topology.plan import TopologyRequest, plan
 from pdserve.topology.prometheus import INSTALL_HINT, prepare
 from pdserve.topology.supervise import monitoring_lines
-from tests.serverproc import PORT_ATTEMPTS
-from tests.upproc import Up
+from tests.upproc import Up, alive, start_up
 from tests.waiting import wait_until
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "pdserve.json"
@@ -52,15 +51,6 @@ needs_prometheus = pytest.mark.skipif(
     shutil.which("prometheus") is None or shutil.which("promtool") is None,
     reason=f"needs Debian's prometheus package (the prometheus and promtool binaries): {INSTALL_HINT}",
 )
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie nobody reaped yet counts as gone)."""
-    try:
-        status = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return status[status.rindex(")") + 2] != "Z"
 
 
 def _specs() -> list[MemberSpec]:
@@ -136,24 +126,10 @@ def test_promtool_accepts_the_configuration(tmp_path: Path) -> None:
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
-def _start_up() -> Up:
-    """A ready ``pdserve up --prometheus``, started again when a member (or Prometheus) lost its free port."""
-    for attempt in range(1, PORT_ATTEMPTS + 1):
-        topology = Up(MODEL, "--port", "0", "--prometheus", "--api-key", API_KEY)
-        try:
-            topology.wait_ready()
-            return topology
-        except AssertionError:
-            topology.stop()
-            if attempt == PORT_ATTEMPTS or "address already in use" not in topology.output.lower():
-                raise
-    raise AssertionError("unreachable")
-
-
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[tuple[Up, str]]:
     """The fleet and its Prometheus' URL."""
-    topology = _start_up()
+    topology, _ = start_up(MODEL, "--port", "0", "--prometheus", "--api-key", API_KEY)
     try:
         found = PROMETHEUS_LINE.search(topology.output)
         assert found, f"pdserve up printed no prometheus line:\n{topology.output}"
@@ -225,6 +201,6 @@ def test_prometheus_stops_with_the_fleet(fleet: tuple[Up, str]) -> None:
     pid = int(found.group(2))
     topology.stop()
     assert topology.proc.returncode == 0 and "stopped" in topology.output
-    wait_until(lambda: not _alive(pid), f"Prometheus (pid {pid}) is gone")
+    wait_until(lambda: not alive(pid), f"Prometheus (pid {pid}) is gone")
     with pytest.raises(httpx.ConnectError):
         httpx.get(prometheus + "/-/ready", timeout=2)

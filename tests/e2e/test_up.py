@@ -7,7 +7,6 @@ import os
 import re
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,8 +15,8 @@ import pytest
 
 from pdserve.proxy.flow import decode_modes
 from pdserve.proxy.preflight import PROBE_TOKEN_IDS
-from tests.serverproc import PORT_ATTEMPTS, ServerProcess
-from tests.upproc import Up
+from tests.serverproc import ServerProcess
+from tests.upproc import Up, alive, start_up
 from tests.waiting import wait_until
 
 MODEL = "qwen3-tiny"
@@ -31,30 +30,6 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 # in its prefill, and in bfloat16 those kernels may round a near-tied greedy token apart on some CPUs
 # (tests/e2e/test_kv_handoff.py's docstring); in float32 they agree.
 EXACT = ("--dtype=float32",)
-def alive(pid: int) -> bool:
-    """Running (a zombie nobody reaped yet counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
-
-
-def start_up(*args: str) -> tuple[Up, str]:
-    """A ready ``pdserve up``, started again (on other free ports) when a member lost its port: with
-    ``--port 0`` it picks each member's free port, and the member binds it seconds later, so another
-    process on the host may take it in between (tests/serverproc.py, PORT_ATTEMPTS)."""
-    for attempt in range(1, PORT_ATTEMPTS + 1):
-        topology = Up(*args)
-        try:
-            return topology, topology.wait_ready()
-        except AssertionError:
-            topology.stop()
-            if attempt == PORT_ATTEMPTS or "address already in use" not in topology.output.lower():
-                raise
-    raise AssertionError("unreachable")
-
-
 @pytest.fixture(scope="module")
 def up() -> Iterator[tuple[Up, str, ServerProcess]]:
     coupled = ServerProcess("serve", MODEL, *PARSERS, *EXACT)

@@ -60,12 +60,15 @@ def test_hosts_reach_each_other_a_partition_cuts_one_off_and_healing_brings_it_b
         member.stop()
 
 
-def hand_off(prefill: HostMember, decode: HostMember) -> dict[str, object]:
-    r = httpx.post(prefill.url + "/inference/v1/generate", json=prefill_body(PROMPT), timeout=120)
+def hand_off(prefill: HostMember, decode: HostMember, salt: str) -> dict[str, object]:
+    """A P/D request under a ``cache_salt`` of its own: no prefix cache holds its blocks, so the prefill computes
+    the whole prompt and the decode leg pulls all of its KV over the link."""
+    body = PROMPT | {"cache_salt": salt}
+    r = httpx.post(prefill.url + "/inference/v1/generate", json=prefill_body(body), timeout=120)
     assert r.status_code == 200, r.text
     params = r.json()["kv_transfer_params"]
     assert params["remote_host"] == prefill.host.address  # the decode host pulls from the prefill host
-    r = httpx.post(decode.url + "/inference/v1/generate", json=decode_body(PROMPT, "tokens", params), timeout=120)
+    r = httpx.post(decode.url + "/inference/v1/generate", json=decode_body(body, "tokens", params), timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -87,7 +90,7 @@ def test_the_kv_crosses_the_link_and_a_slow_link_slows_the_pull(hosts: FleetHost
                 a.slow_link(rate="1mbit")
             pulled, took = metric_sum(decode.url, "pdserve_kv_pulled_bytes_total"), \
                 metric_sum(decode.url, "pdserve_kv_pull_seconds_sum")
-            answers.append(hand_off(prefill, decode)["choices"])
+            answers.append(hand_off(prefill, decode, f"pull-{pulls}")["choices"])
             # The engine core reports its counters with its heartbeat (every 0.5 s).
             wait_until(lambda n=pulls: metric_sum(decode.url, "pdserve_kv_pulls_ok_total") == n, f"{pulls} pull(s) counted")
             size = metric_sum(decode.url, "pdserve_kv_pulled_bytes_total") - pulled
