@@ -34,6 +34,7 @@ from pdserve.proxy.pool import check_pools, health_loop
 from pdserve.proxy.record import RequestRecord
 from pdserve.proxy.upstream import UpstreamError, error_body, send
 from pdserve.web.disconnect import ClientGone, unless_disconnected
+from pdserve.web.logs import LEGS_STATE_KEY
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +152,9 @@ def create_app(orch: Orchestrator, health: HealthSettings = HealthSettings(), ap
         try:
             body = await _client_body(request)
             prepared = await unless_disconnected(request.receive, orch.prepare(kind, body, request_id))
+            # What a JSON log's request line names (pdserve.web.logs), read once the answer is sent.
+            request.scope.setdefault("state", {})["request_id"] = request_id
+            request.scope["state"][LEGS_STATE_KEY] = prepared.record.members
             if not body.get("stream"):
                 answer = await unless_disconnected(request.receive, orch.batch(prepared))
                 return JSONResponse(answer, headers=headers | _server_timing(prepared.record))

@@ -7,6 +7,7 @@ import argparse
 
 from pdserve.protocol.keepalive import SERVER_KEEP_ALIVE_S
 from pdserve.proxy.modes import MODES, ROUTINGS
+from pdserve.web.logs import LOG_FORMATS
 
 
 def _urls(value: str) -> list[str]:
@@ -73,6 +74,9 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
                    "and its times, and any retry or migration (a Server-Timing header is on every batch answer "
                    "either way)")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                   help="json: one JSON object per log line, and a line per answered request with its request id, "
+                   "trace id and the member of each leg (docs/observability.md)")
 
 
 def run_proxy(args: argparse.Namespace) -> int:

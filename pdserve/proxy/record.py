@@ -218,6 +218,17 @@ class RequestRecord:
         return {"time_to_first_token_ms": ttft, "queue_time_ms": sum(queues) if queues else None,
                 "generation_time_ms": gen, "mean_itl_ms": self._decode_tpot_ms(), "tokens_per_second": rate}
 
+    def members(self) -> dict[str, Any]:
+        """Which member served each leg (and where retries and migrations went): a JSON log's request line."""
+        served: dict[str, Any] = {name: leg.member for name, leg in
+                                  (("render", self.render), ("prefill", self.prefill), ("decode", self.decode))
+                                  if leg is not None}
+        if self.retries:
+            served["retries"] = self.retries
+        if self.migrations:
+            served["migrations"] = self.migrations
+        return served
+
     def _legs(self) -> dict[str, Any]:
         legs: dict[str, Any] = {}
         if self.render is not None:

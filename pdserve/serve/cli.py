@@ -19,6 +19,7 @@ from pdserve.serve.config import (
     DEFAULT_STREAM_IDLE_TIMEOUT_S,
     ServerConfig,
 )
+from pdserve.web.logs import LOG_FORMATS
 
 DEMO_SCRIPT = "demo_script.jsonl"
 
@@ -36,6 +37,9 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default=None, help="hermes | qwen3_coder")
     p.add_argument("--enable-auto-tool-choice", action="store_true")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                   help="json: one JSON object per log line, and a line per answered request with its request id, "
+                   "trace id and this server's address (docs/observability.md)")
     p.add_argument(
         "--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
         help="on SIGTERM: /health and new requests answer 503 at once; requests in flight get this many seconds "
@@ -263,6 +267,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         api_server_count=args.api_server_count,
         log_level=args.log_level,
+        log_format=args.log_format,
         enable_per_request_metrics=args.enable_per_request_metrics,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         max_waiting_requests=None if args.max_waiting_requests < 0 else args.max_waiting_requests,
@@ -284,6 +289,7 @@ def render_config(args: argparse.Namespace) -> ServerConfig:
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         log_level=args.log_level,
+        log_format=args.log_format,
         max_model_len=args.max_model_len,
         **_common_settings(args),
     )

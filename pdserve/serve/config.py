@@ -39,6 +39,7 @@ class ServerConfig:
     # ipc addresses of a running engine core (set by the supervisor for frontend processes).
     engine_core_addresses: dict[str, str] | None = None
     log_level: str = "info"
+    log_format: str = "text"  # --log-format: text, or json (pdserve.web.logs)
     # Bound for render/derender inputs on a server without an engine (else the engine's).
     max_model_len: int | None = None
     # --enable-per-request-metrics: server-side timing as ``metrics`` on responses (pdserve.output.timing).

@@ -44,6 +44,7 @@ from pdserve.serve.http.protocol import BoundedHttpToolsProtocol
 from pdserve.serve.inflight import drain
 from pdserve.serve.state import AppState
 from pdserve.text.tokenizer import Tokenizer
+from pdserve.web.logs import configure_logging, serving, uvicorn_logging
 
 logger = logging.getLogger("pdserve")
 
@@ -202,8 +203,9 @@ def _serve_app(config: ServerConfig, engine: Engine | None, tokenizer: Tokenizer
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     server = _PdserveServer(
         # httptools bounded to MAX_HEADER_BYTES of request head (431 past it; httptools has no limit of its own).
-        uvicorn.Config(app, log_level=config.log_level, loop="uvloop", http=BoundedHttpToolsProtocol,
-                       timeout_graceful_shutdown=5, timeout_keep_alive=config.timeout_keep_alive_s),
+        uvicorn.Config(serving(app, config.log_format, url), log_level=config.log_level, loop="uvloop",
+                       http=BoundedHttpToolsProtocol, timeout_graceful_shutdown=5,
+                       timeout_keep_alive=config.timeout_keep_alive_s, **uvicorn_logging(config.log_format)),
         (lambda: ready_banner(app.state.pdserve, url)) if announce else None,
         app.state.pdserve,
     )
@@ -215,7 +217,11 @@ def _frontend_main(config: ServerConfig, index: int) -> None:
     from pdserve.engine.core_client import EngineCoreClient
     from pdserve.engine.core_server import EngineCoreAddresses
 
-    logging.basicConfig(level=config.log_level.upper(), format=f"%(asctime)s frontend-{index} %(levelname)s: %(message)s")
+    if config.log_format == "json":
+        configure_logging(config.log_level, config.log_format, f"frontend-{index}")
+    else:
+        logging.basicConfig(level=config.log_level.upper(),
+                            format=f"%(asctime)s frontend-{index} %(levelname)s: %(message)s")
     tokenizer = load_tokenizer(config)
     parsers = load_parser_config(config, tokenizer)
     assert config.engine_core_addresses is not None
@@ -225,6 +231,8 @@ def _frontend_main(config: ServerConfig, index: int) -> None:
 
 
 def run_server(config: ServerConfig) -> int:
+    if config.log_format == "json":
+        configure_logging(config.log_level, config.log_format, "frontend-0" if config.engine is not None else "render")
     try:
         config = resolve_model_tokenizer(config)
         tokenizer = load_tokenizer(config)

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from pdserve.proxy.modes import MODES
+from pdserve.web.logs import LOG_FORMATS
 
 DEFAULT_BASE_PORT = 8000
 
@@ -26,6 +27,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true")
     p.add_argument("--api-key", default=None, help="the proxy's API key (the servers listen on loopback only)")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                   help="every member's and the proxy's log format; json: a line per answered request with its "
+                   "request id, trace id and member (docs/observability.md)")
     p.add_argument("--prometheus", action="store_true",
                    help="write a Prometheus scrape configuration for every member into the run directory and, "
                    "if the prometheus binary is installed, run it beside the fleet (docs/observability.md)")
@@ -66,10 +70,11 @@ def run_up(args: argparse.Namespace, serve_flags: list[str]) -> int:
             ports[k] = free_port() if args.port == 0 else args.port + k
         return ports[k]
 
+    log_format = ("--log-format", args.log_format) if args.log_format != "text" else ()
     request = TopologyRequest(
         model=model, tokenizer_dir=str(tokenizer_dir), prefill=args.prefill, decode=args.decode, mode=args.mode,
-        parser_flags=parser_flags(args), serve_flags=tuple(serve_flags), engine=args.engine,
-        proxy_flags=("--log-level", args.log_level, *(("--api-key", args.api_key) if args.api_key else ())),
+        parser_flags=parser_flags(args), serve_flags=(*serve_flags, *log_format), engine=args.engine,
+        proxy_flags=("--log-level", args.log_level, *log_format, *(("--api-key", args.api_key) if args.api_key else ())),
     )
     try:
         specs = plan(request, port_for)

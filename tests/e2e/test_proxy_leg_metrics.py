@@ -1,7 +1,8 @@
 """One request's legs through ``pdserve proxy`` on loopback (docs/observability.md, "One request's legs"): the
 ``Server-Timing`` header of a batch answer, the ``metrics`` object with ``--enable-per-request-metrics``
 (batch, and a stream's finishing chunk) naming the members that served each leg, nothing of it without the
-flag, and the proxy's leg and phase histograms.
+flag, and the proxy's leg and phase histograms; with ``--log-format json`` every process writes one JSON line
+per answered request, and one request id finds the request's lines in all four logs.
 
 qwen3-tiny on the torch engine with the KV hand-off on (the scripted engine has no KV to hand off); the prefill
 and decode members run ``--enable-per-request-metrics`` too, so their own figures (queue, compute) reach the
@@ -10,6 +11,7 @@ record and the phase histograms.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,9 +23,11 @@ from pdserve.checkpoints.resolve import resolve_model
 from pdserve.topology.process import start_all, stop_all
 from tests.serverproc import ServerProcess
 from tests.sse import stream_post
+from tests.waiting import wait_until
 
 MODEL = "qwen3-tiny"
-ENGINE = (MODEL, "--kv-transfer", "nixl", "--enable-per-request-metrics")
+JSON_LOGS = ("--log-format", "json")
+ENGINE = (MODEL, "--kv-transfer", "nixl", "--enable-per-request-metrics", *JSON_LOGS)
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "max_tokens": 6, "ignore_eos": True, "temperature": 0}
 LEGS = ("render", "prefill", "decode")
@@ -33,7 +37,7 @@ PHASES = (("prefill", "queue"), ("prefill", "compute"), ("decode", "queue"), ("d
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[dict[str, ServerProcess]]:
     """A render, a prefill and a decode member; one proxy with --enable-per-request-metrics, one without."""
-    render = ServerProcess("launch", "render", "--tokenizer", str(resolve_model(MODEL)))
+    render = ServerProcess("launch", "render", "--tokenizer", str(resolve_model(MODEL)), *JSON_LOGS)
     prefill = ServerProcess("serve", *ENGINE, "--tokens-only", "--kv-role", "prefill")
     decode = ServerProcess("serve", *ENGINE, "--kv-role", "decode")
     servers = [render, prefill, decode]
@@ -44,10 +48,11 @@ def fleet() -> Iterator[dict[str, ServerProcess]]:
             return ServerProcess("proxy", "--render", render.url, "--prefill", prefill.url, "--decode", decode.url,
                                  *extra)
 
-        proxies = [proxy("--enable-per-request-metrics"), proxy()]
+        proxies = [proxy("--enable-per-request-metrics"), proxy(), proxy(*JSON_LOGS)]
         servers += proxies
         start_all(proxies)
-        yield {"render": render, "prefill": prefill, "decode": decode, "on": proxies[0], "off": proxies[1]}
+        yield {"render": render, "prefill": prefill, "decode": decode, "on": proxies[0], "off": proxies[1],
+               "json": proxies[2]}
     finally:
         stop_all(servers)
 
@@ -123,3 +128,24 @@ def test_the_histograms_count_one_observation_per_leg_and_phase_per_request(flee
     stream_post(proxy.url + "/v1/chat/completions", CHAT | {"stream": True})
     after = counts()
     assert {key: after[key] - before[key] for key in after} == dict.fromkeys(after, 2)
+
+
+def _request_lines(server: ServerProcess, request_id: str) -> list[dict[str, Any]]:
+    """The JSON log's request lines of ``request_id`` (the ready banner is printed, not logged: not JSON)."""
+    logged = [line for line in server.log().splitlines() if line.startswith("{")]
+    records = [json.loads(line) for line in logged]
+    return [r for r in records if r.get("logger") == "pdserve.request" and r.get("request_id") == request_id]
+
+
+def test_json_logs_find_one_requests_lines_in_every_process(fleet) -> None:  # type: ignore[no-untyped-def]
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    headers = {"x-request-id": "json-log-1", "traceparent": f"00-{trace}-00f067aa0ba902b7-01"}
+    assert httpx.post(fleet["json"].url + "/v1/chat/completions", json=CHAT, headers=headers, timeout=60).status_code == 200
+    proxy_line = wait_until(lambda: _request_lines(fleet["json"], "json-log-1"), "the proxy's request line")[0]
+    assert proxy_line["trace_id"] == trace and proxy_line["status"] == 200 and proxy_line["path"] == "/v1/chat/completions"
+    legs = proxy_line["legs"]
+    assert (legs["render"], legs["prefill"], legs["decode"]) == (fleet["render"].url, fleet["prefill"].url,
+                                                                 fleet["decode"].url)
+    for role in ("render", "prefill", "decode"):  # each leg carried the request id to its member's log
+        lines = wait_until(lambda r=role: _request_lines(fleet[r], "json-log-1"), f"the {role} member's request line")
+        assert all(line["member"] == fleet[role].url and line["status"] == 200 for line in lines), lines
