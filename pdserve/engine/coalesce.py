@@ -118,11 +118,11 @@ def _aligned(held: list[EngineOutput], out: EngineOutput) -> bool:
 def folded(outputs: list[EngineOutput]) -> EngineOutput:
     """Consecutive outputs of one sequence as one: ids and logprobs joined in order, the end (finish and
     stop reasons, abort cause) from the last, what arrives once (prompt logprobs, the first scheduling
-    stamp, KV hand-off params) kept from whichever carried it."""
+    stamp, KV hand-off params, a pull's figures) kept from whichever carried it."""
     last = outputs[-1]
     ids: list[int] = []
     logprobs: list[PositionLogprobs] | None = None
-    prompt_logprobs = scheduled_at = kv_params = None
+    prompt_logprobs = scheduled_at = kv_params = pull_seconds = pull_bytes = None
     cached = 0
     for out in outputs:
         ids.extend(out.new_token_ids)
@@ -133,7 +133,10 @@ def folded(outputs: list[EngineOutput]) -> EngineOutput:
         scheduled_at = scheduled_at if scheduled_at is not None else out.scheduled_at
         kv_params = out.kv_transfer_params if out.kv_transfer_params is not None else kv_params
         cached = out.num_cached_tokens or cached
+        if out.kv_pull_seconds is not None:
+            pull_seconds, pull_bytes = out.kv_pull_seconds, out.kv_pull_bytes
     return msgspec.structs.replace(
         last, new_token_ids=ids, new_logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         scheduled_at=scheduled_at, kv_transfer_params=kv_params, num_cached_tokens=cached,
+        kv_pull_seconds=pull_seconds, kv_pull_bytes=pull_bytes,
     )

@@ -41,6 +41,7 @@ class ScheduledRequest:
     prefix_keys: list[bytes] = field(default_factory=list)
     reads_prefix_cache: bool = False
     cached_tokens: int = 0
+    kv_pull: tuple[float, int] | None = None  # a pulled decode leg's READ: seconds, bytes
 
     @property
     def num_seqs(self) -> int:

@@ -353,6 +353,8 @@ class StepLoop:
             token = tokens[row]
             finish, reason = self._finish_reason(seq, token)
             kv_params = self.kv.on_finish(seq, finish) if finish is not None else None
+            first = len(seq.output) == 1
+            pull = seq.request.kv_pull if first else None
             self._emit(
                 EngineOutput(
                     request_id=seq.request.request_id,
@@ -363,8 +365,10 @@ class StepLoop:
                     finish_reason=finish,
                     stop_reason=reason,
                     kv_transfer_params=kv_params,
-                    scheduled_at=seq.request.scheduled_at if len(seq.output) == 1 else None,
-                    num_cached_tokens=seq.request.cached_tokens if len(seq.output) == 1 else 0,
+                    scheduled_at=seq.request.scheduled_at if first else None,
+                    num_cached_tokens=seq.request.cached_tokens if first else 0,
+                    kv_pull_seconds=pull[0] if pull is not None else None,
+                    kv_pull_bytes=pull[1] if pull is not None else None,
                 )
             )
             if finish is not None:

@@ -284,6 +284,8 @@ class RequestState:
             self.kv_transfer_params = out.kv_transfer_params
         if out.num_cached_tokens:
             self.num_cached_tokens = out.num_cached_tokens
+        if out.kv_pull_seconds is not None:
+            self.timing.kv_pull = (out.kv_pull_seconds, out.kv_pull_bytes or 0)
         self.timing.tokens(len(out.new_token_ids))
         self.timing.scheduled_at(out.scheduled_at)
         return self.choices[out.index].add(out)

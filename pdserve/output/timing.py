@@ -13,6 +13,8 @@ clock: engine and frontend run on one host).
 * ``generation_time_ms``: first token → last token (the decode phase).
 * ``mean_itl_ms``: ``generation_time_ms / (tokens − 1)``; null below two tokens.
 * ``tokens_per_second``: output tokens / (arrival → last token).
+* ``kv_pull_ms``, ``kv_pull_bytes``: a P/D decode leg's KV pull (the READ, and the bytes it brought), as its
+  engine reported it; absent on every other request.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class RequestTiming:
     first_token: float | None = None
     last_token: float | None = None
     scheduled: float | None = None
+    kv_pull: tuple[float, int] | None = None  # a decode leg's KV pull as its engine reported it: seconds, bytes
 
     def scheduled_at(self, when: float | None) -> None:
         """The engine says when the request first ran (the first such stamp counts)."""
@@ -62,5 +65,8 @@ class RequestTiming:
             total = self.last_token - self.arrival
             rate = output_tokens / total if total > 0 else None
         queue = None if self.scheduled is None else max(0.0, self.scheduled - self.arrival) * 1000
-        return {"time_to_first_token_ms": ttft, "queue_time_ms": queue, "generation_time_ms": gen,
-                "mean_itl_ms": itl, "tokens_per_second": rate}
+        metrics: dict[str, Any] = {"time_to_first_token_ms": ttft, "queue_time_ms": queue, "generation_time_ms": gen,
+                                   "mean_itl_ms": itl, "tokens_per_second": rate}
+        if self.kv_pull is not None:  # a P/D decode leg only: the proxy's per-request record reads them
+            metrics["kv_pull_ms"], metrics["kv_pull_bytes"] = self.kv_pull[0] * 1000, self.kv_pull[1]
+        return metrics

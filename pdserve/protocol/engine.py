@@ -149,6 +149,9 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_reason: int | str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     num_cached_tokens: int = 0
+    # A decode leg's KV pull (its first outputs only): the READ's seconds and the bytes it brought.
+    kv_pull_seconds: float | None = None
+    kv_pull_bytes: int | None = None
     # time.monotonic() (one clock for every process of a host) when the request first ran in a step;
     # set on a request's first outputs only, so the frontend can tell queueing from generation.
     scheduled_at: float | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 
 from pdserve.proxy.modes import MODES
 from pdserve.web.logs import LOG_FORMATS
@@ -46,6 +47,19 @@ def parser_flags(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(flags)
 
 
+def proxy_flags(args: argparse.Namespace, serve_flags: Sequence[str]) -> tuple[str, ...]:
+    """The proxy's flags: ``up``'s log settings and API key, and ``--enable-per-request-metrics`` when the
+    servers get it (they report their legs' figures, and the proxy puts them in its answers)."""
+    flags = ["--log-level", args.log_level]
+    if args.log_format != "text":
+        flags += ["--log-format", args.log_format]
+    if "--enable-per-request-metrics" in serve_flags:
+        flags.append("--enable-per-request-metrics")
+    if args.api_key:
+        flags += ["--api-key", args.api_key]
+    return tuple(flags)
+
+
 def run_up(args: argparse.Namespace, serve_flags: list[str]) -> int:
     from pdserve.checkpoints.resolve import DEFAULT_MODEL, resolve_model
     from pdserve.topology.plan import TopologyRequest, plan
@@ -74,7 +88,7 @@ def run_up(args: argparse.Namespace, serve_flags: list[str]) -> int:
     request = TopologyRequest(
         model=model, tokenizer_dir=str(tokenizer_dir), prefill=args.prefill, decode=args.decode, mode=args.mode,
         parser_flags=parser_flags(args), serve_flags=(*serve_flags, *log_format), engine=args.engine,
-        proxy_flags=("--log-level", args.log_level, *log_format, *(("--api-key", args.api_key) if args.api_key else ())),
+        proxy_flags=proxy_flags(args, serve_flags),
     )
     try:
         specs = plan(request, port_for)

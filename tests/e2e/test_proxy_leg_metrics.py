@@ -80,9 +80,9 @@ def _members(metrics: dict[str, Any]) -> dict[str, str]:
 def test_a_batch_answer_times_its_legs_in_server_timing_and_without_the_flag_has_no_metrics(fleet) -> None:  # type: ignore[no-untyped-def]
     r, latency_ms = _chat(fleet["off"])
     timing = _server_timing(r.headers["server-timing"])
-    assert list(timing) == list(LEGS)  # kv only where the decode member reports its pull
+    assert list(timing) == [*LEGS, "kv"]  # the decode member reports its pull (its --enable-per-request-metrics)
     assert all(ms > 0 for ms in timing.values()), timing
-    assert sum(timing.values()) <= latency_ms
+    assert sum(timing[leg] for leg in LEGS) <= latency_ms and timing["kv"] <= timing["decode"]
     assert r.json()["metrics"] is None
     events, done = stream_post(fleet["off"].url + "/v1/chat/completions", CHAT | {"stream": True})
     assert done and all(e["metrics"] is None for e in events)
@@ -98,7 +98,10 @@ def test_with_the_flag_the_metrics_name_the_members_that_served_each_leg(fleet) 
     assert legs["decode"]["tokens"] == CHAT["max_tokens"] and legs["decode"]["reported"]["mean_itl_ms"] > 0
     assert 0 < metrics["time_to_first_token_ms"] < latency_ms
     assert metrics["migrations"] == [] and metrics["retries"] == []
-    assert _server_timing(r.headers["server-timing"]) == {leg: round(legs[leg]["total_ms"], 1) for leg in LEGS}
+    pull = legs["kv_pull"]  # as the decode member's engine reported it: the READ's time and bytes
+    assert pull["member"] == members["decode"] and pull["bytes"] > 0 and 0 < pull["ms"] < legs["decode"]["total_ms"]
+    assert _server_timing(r.headers["server-timing"]) == {leg: round(legs[leg]["total_ms"], 1) for leg in LEGS} | {
+        "kv": round(pull["ms"], 1)}
 
     events, done = stream_post(fleet["on"].url + "/v1/chat/completions", CHAT | {"stream": True})
     assert done and all(e["metrics"] is None for e in events[:-1])

@@ -56,6 +56,17 @@ class _Pull:
     # copied from there, and only the rest is READ.
     prefix_keys: list[bytes] = field(default_factory=list)
     local_blocks_reused: int = 0
+    seconds: float = 0.0  # the READ's, once it landed
+
+
+@dataclass(frozen=True)
+class LoadedPull:
+    """What a decode leg's KV load reports: positions from this engine's prefix cache, the READ's seconds and
+    bytes."""
+
+    reused_tokens: int
+    seconds: float
+    bytes: int
 
 
 @dataclass
@@ -147,14 +158,15 @@ class KVHandoff:
                 self._fail(request_id, p, str(e), progress)
         return progress
 
-    def load(self, request_id: str, cache: KVCache, slot: int, num_tokens: int) -> int:
-        """Copy a finished pull's blocks into a slot (positions ``[0, num_tokens)``) and free them; returns the
-        positions that came from this engine's prefix cache rather than the READ."""
+    def load(self, request_id: str, cache: KVCache, slot: int, num_tokens: int) -> LoadedPull:
+        """Copy a finished pull's blocks into a slot (positions ``[0, num_tokens)``) and free them."""
         p = self._pulls.pop(request_id)
         assert p.local_blocks is not None
         self.pool.load(cache, slot, num_tokens, p.local_blocks)
         self.pool.free(p.local_blocks)
-        return p.local_blocks_reused * self.pool.layout.block_size
+        read_blocks = len(p.pull.block_ids) - p.local_blocks_reused
+        return LoadedPull(p.local_blocks_reused * self.pool.layout.block_size, p.seconds,
+                          read_blocks * self.pool.layout.block_bytes)
 
     def drop(self, request_id: str) -> None:
         """The request is gone (aborted): stop caring about its pull; blocks free once NIXL is done."""
@@ -264,6 +276,7 @@ class KVHandoff:
         s.pulled_bytes += blocks * self.pool.layout.block_bytes
         s.pulled_tokens += p.pull.num_tokens - p.local_blocks_reused * self.pool.layout.block_size
         s.observe_pull(seconds)
+        p.seconds = seconds
         p.landed = True
         progress.ready.append(request_id)
 

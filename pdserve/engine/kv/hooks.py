@@ -177,7 +177,8 @@ class KVHandoffHooks:
             return False
         self._pulled.discard(req)
         n, cache = req.prompt_len, self._cache
-        req.cached_tokens = self.handoff.load(req.request_id, cache, live[0].slot, n)
+        loaded = self.handoff.load(req.request_id, cache, live[0].slot, n)
+        req.cached_tokens, req.kv_pull = loaded.reused_tokens, (loaded.seconds, loaded.bytes)
         for seq in live[1:]:
             cache.copy_slot(live[0].slot, seq.slot, n)
         self._tails[req] = cache.data[:, :, live[0].slot, :, n - 1].clone()

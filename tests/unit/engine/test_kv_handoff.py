@@ -205,7 +205,8 @@ def test_a_pull_reads_only_the_blocks_the_prefix_cache_lacks() -> None:
     transport.states = ["DONE"]
     assert kv.advance().ready == ["dec"]
     target = KVCache(CFG, 1, 40, torch.float32)
-    assert kv.load("dec", target, 0, 12) == 8
+    loaded = kv.load("dec", target, 0, 12)
+    assert (loaded.reused_tokens, loaded.bytes) == (8, LAYOUT.block_bytes)  # one block READ, two reused
     assert torch.equal(target.data[:, :, 0, :, :8], source.data[:, :, 1, :, :8])
     assert target.data[:, :, 0, :, 8:12].eq(5.0).all()
     s = kv.stats()

@@ -1,9 +1,12 @@
-"""``pdserve up``'s plan: which flags each pool gets, and the ports (nothing is started here)."""
+"""``pdserve up``'s plan: which flags each pool gets (the proxy's too), and the ports (nothing is started here)."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
+from pdserve.topology.cli import add_up_args, proxy_flags
 from pdserve.topology.plan import TopologyRequest, plan
 
 PARSERS = ("--reasoning-parser", "qwen3")
@@ -59,3 +62,14 @@ def test_vllm_engines_get_a_nixl_side_channel_each_past_the_http_ports() -> None
     http = {s.port for s in specs}
     assert side == [9005, 9006, 9007] and http == {9000, 9001, 9002, 9003, 9004}
     assert "--engine" not in specs[0].args and "--tokens-only" in engines[0].args  # render; a lean prefill
+
+
+def test_the_proxy_gets_ups_log_settings_and_per_request_metrics_when_the_servers_do() -> None:
+    parser = argparse.ArgumentParser()
+    add_up_args(parser)
+    plain = parser.parse_known_args(["qwen3-tiny"])[0]
+    assert proxy_flags(plain, []) == ("--log-level", "warning")
+    args, serve_flags = parser.parse_known_args(["qwen3-tiny", "--log-format", "json", "--api-key", "k",
+                                                 "--enable-per-request-metrics", "--max-model-len", "512"])
+    assert proxy_flags(args, serve_flags) == ("--log-level", "warning", "--log-format", "json",
+                                              "--enable-per-request-metrics", "--api-key", "k")
