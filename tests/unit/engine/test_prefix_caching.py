@@ -152,7 +152,7 @@ def converse(steps: StepLoop, turns: list[tuple[int | None, list[int], dict[str,
     return done
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(turns=conversations(), budget=st.sampled_from([WHOLE, WHOLE, 24]))
 def test_answers_are_the_same_with_the_cache_on_and_off_and_it_reads_what_it_holds(tiny: Tiny, turns, budget) -> None:  # type: ignore[no-untyped-def]
     steps = loop(tiny, cache_blocks=1024, budget=budget)
@@ -171,7 +171,7 @@ def test_answers_are_the_same_with_the_cache_on_and_off_and_it_reads_what_it_hol
     assert stats.prompt_tokens_computed == sum(len(r.prompt_token_ids) for r, _ in on) - hits
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(turns=conversations(), blocks=st.integers(1, 12))
 def test_a_cache_that_evicts_all_the_time_never_serves_a_stale_block(tiny: Tiny, turns, blocks) -> None:  # type: ignore[no-untyped-def]
     """A pool of a few blocks, far less than the prompts: whatever it still holds when a request reads it,
