@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -136,15 +135,18 @@ def dechunk(raw: bytes) -> bytes:
 
 
 def test_a_slow_reader_falls_back_to_the_streams_loop_and_loses_nothing(server: ServerProcess) -> None:
-    """A client with a tiny receive window that reads nothing for a while: the connection's buffer passes its
-    high mark, chunks wait in the stream's own send, and direct writes resume once it has caught up. What the
-    client finally reads is the whole answer, in order."""
-    sampling = {"max_tokens": 600, "temperature": 0, "ignore_eos": True, "logprobs": 20}  # ~2 KB per chunk
-    body = {"token_ids": PROMPT, "output_mode": "text", "sampling_params": sampling}
-    # 600 tokens with 20 logprobs each took 60 s on 2 busy cores (measured with another suite running): the
-    # timeout only turns a hang into a failure.
-    batch = httpx.post(server.url + "/inference/v1/generate", json=body, timeout=240).json()["choices"][0]
-    payload = json.dumps({**body, "stream": True}).encode()
+    """A client with a tiny receive window that reads nothing while the whole answer is produced: the
+    connection's buffer passes its high mark, outputs wait in the stream's own send, and direct writes resume
+    once it has caught up. What the client finally reads is every sequence whole, in order.
+
+    The answer must be larger than what the kernel takes off the server's hands (its send buffer autotunes to
+    ``net.ipv4.tcp_wmem``'s 4 MiB here): 16 sequences of 250 tokens with 20 logprobs each are ~8 MB. With a
+    1 MB answer every output went direct, and the test passed only because the first step once sent two
+    outputs that went by the stream's loop."""
+    n, tokens = 16, 250
+    sampling = {"n": n, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "logprobs": 20}  # ~2 KB a chunk
+    body = {"token_ids": PROMPT, "output_mode": "text", "sampling_params": sampling, "stream": True}
+    payload = json.dumps(body).encode()
     before = server.metric(DIRECT)
     conn = socket.socket()
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -152,7 +154,10 @@ def test_a_slow_reader_falls_back_to_the_streams_loop_and_loses_nothing(server: 
     try:
         conn.sendall(b"POST /inference/v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Connection: close\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-        time.sleep(3)  # the engine runs on; the server's writes back up
+        # The engine runs on (16 x 250 tokens: a few seconds); the server's writes back up.
+        running = "pdserve_engine_running_requests"
+        wait_until(lambda: server.metric(running) == 1, "the engine runs the request")
+        wait_until(lambda: server.metric(running) == 0, "the engine produced every token", bound_s=120)
         conn.settimeout(60)
         raw = b""
         while chunk := conn.recv(1 << 16):
@@ -161,10 +166,15 @@ def test_a_slow_reader_falls_back_to_the_streams_loop_and_loses_nothing(server: 
         conn.close()
     events, done = parse_sse(dechunk(raw).decode().splitlines())
     assert done
-    assert joined(events, 0, "token_ids") == batch["token_ids"] and len(batch["token_ids"]) == 600
-    assert joined(events, 0, "text") == batch["text"]
+    # Greedy: the 16 sequences are one answer, computed as 16 identical rows of each step: a chunk lost, doubled
+    # or out of order in any of them shows as a difference.
+    answers = {(tuple(joined(events, i, "token_ids")), joined(events, i, "text")) for i in range(n)}
+    assert len(answers) == 1 and len(next(iter(answers))[0]) == tokens
     direct = server.metric(DIRECT) - before
-    assert 0 < direct < 600 - 2, "some outputs must have waited in the stream's own send, the rest gone direct"
+    # Without the fall-back every output would go direct but each sequence's first (sent before the sink is
+    # attached) and its last (an end always goes by the stream's loop): n * (tokens - 2). Here ~1,400 of 4,000
+    # went direct, what the kernel took before the connection's buffer passed its high mark.
+    assert 0 < direct < n * (tokens - 3), "outputs must have waited in the stream's own send, the rest gone direct"
 
 
 def test_a_client_that_leaves_mid_stream_has_its_request_aborted(server: ServerProcess) -> None:
