@@ -224,11 +224,10 @@ class StepLoop:
 
     def _load_prefix(self, req: ScheduledRequest, slot: int) -> int:
         """Copy ``req``'s cached prefix into ``slot``; the positions it covers (the model starts there)."""
-        if self.prefix_cache is None or not req.reads_prefix_cache:
-            return 0
         cache = self.prefix_cache
-        hit = cache.hit_blocks(req.prefix_keys, req.prompt_len)
-        req.cached_tokens = cache.load(req.prefix_keys[:hit], self.cache, slot)
+        if cache is None or not req.reads_prefix_cache:
+            return 0
+        req.cached_tokens = cache.load(req.prefix_keys[: self._cached_prefix(req) // cache.block_size], self.cache, slot)
         cache.count_lookup(req.prompt_len, req.cached_tokens)
         return req.cached_tokens
 
@@ -413,7 +412,8 @@ class StepLoop:
         seq.live = False
         if seq.slot >= 0:
             if self.prefix_cache is not None:  # its output's full blocks too: a next turn's prompt holds them
-                keys = block_hashes(seq.request.prompt + seq.output, self.prefix_cache.block_size, seq.request.cache_salt)
+                req = seq.request
+                keys = block_hashes(req.prompt + seq.output, self.prefix_cache.block_size, req.cache_salt, req.prefix_keys)
                 self.prefix_cache.store(keys, self.cache, seq.slot, seq.num_cached)
             move = self.scheduler.release(seq)
             if move is not None:

@@ -57,11 +57,11 @@ class RequestTiming:
     def metrics(self, output_tokens: int) -> dict[str, Any]:
         """The ``metrics`` object (vLLM's field names, milliseconds); nulls where nothing was measured."""
         ttft = gen = itl = rate = None
-        if self.first_token is not None and self.last_token is not None:
-            ttft = (self.first_token - self.arrival) * 1000
+        ttft_s, tpot_s = self.ttft_and_tpot_s(output_tokens)
+        if self.first_token is not None and self.last_token is not None and ttft_s is not None:
+            ttft = ttft_s * 1000
             gen = (self.last_token - self.first_token) * 1000
-            if output_tokens > 1:
-                itl = gen / (output_tokens - 1)
+            itl = tpot_s * 1000 if tpot_s is not None else None
             total = self.last_token - self.arrival
             rate = output_tokens / total if total > 0 else None
         queue = None if self.scheduled is None else max(0.0, self.scheduled - self.arrival) * 1000

@@ -19,7 +19,7 @@ from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.modes import Mode
 from pdserve.proxy.pool import ADMIT_TIMEOUT_S, Admission, Member, Pool, check_pools
 from pdserve.proxy.preflight import member_refusal
-from pdserve.web.logs import configure_logging, serving, uvicorn_logging
+from pdserve.web.logs import configure_json_logging, serving, uvicorn_logging
 
 ROUTES = "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics"
 
@@ -141,7 +141,7 @@ def serve_proxy(args: argparse.Namespace) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{args.port}"
     if args.log_format == "json":
-        configure_logging(args.log_level, args.log_format, "proxy")
+        configure_json_logging(args.log_level, "proxy")
     config = uvicorn.Config(serving(app, args.log_format, url), host=args.host, port=args.port,
                             log_level=args.log_level, loop="uvloop", http="httptools", timeout_graceful_shutdown=5,
                             timeout_keep_alive=args.timeout_keep_alive, **uvicorn_logging(args.log_format))

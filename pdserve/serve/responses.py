@@ -147,10 +147,16 @@ async def respond_batch(
         raise
     finally:
         state.inflight.release(prepared)
-        state.metrics.running.dec()
-        state.metrics.requests.labels(*labels, status).inc()
-        if status == "200":
-            state.metrics.observe_timing(rstate for _, rstate in prepared)
+        _answered(state, labels, status, prepared)
+
+
+def _answered(state: AppState, labels: tuple[str, str], status: str, prepared: Sequence[Prepared]) -> None:
+    """A request answered (batch or stream): out of the running gauge, counted under ``labels`` with its
+    status, and a success's TTFT and TPOT into their histograms."""
+    state.metrics.running.dec()
+    state.metrics.requests.labels(*labels, status).inc()
+    if status == "200":
+        state.metrics.observe_timing(rstate for _, rstate in prepared)
 
 
 def _admit(state: AppState, prepared: Sequence[Prepared], labels: tuple[str, str]) -> None:
@@ -202,10 +208,7 @@ def respond_stream(
             status = "499"
             raise
         finally:
-            state.metrics.running.dec()
-            state.metrics.requests.labels(*labels, status).inc()
-            if status == "200":
-                state.metrics.observe_timing(rstate for _, rstate in prepared)
+            _answered(state, labels, status, prepared)
         yield DONE
 
     watch = StreamWatch()

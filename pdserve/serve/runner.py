@@ -44,7 +44,7 @@ from pdserve.serve.http.protocol import BoundedHttpToolsProtocol
 from pdserve.serve.inflight import drain
 from pdserve.serve.state import AppState
 from pdserve.text.tokenizer import Tokenizer
-from pdserve.web.logs import configure_logging, serving, uvicorn_logging
+from pdserve.web.logs import configure_json_logging, serving, uvicorn_logging
 
 logger = logging.getLogger("pdserve")
 
@@ -218,7 +218,7 @@ def _frontend_main(config: ServerConfig, index: int) -> None:
     from pdserve.engine.core_server import EngineCoreAddresses
 
     if config.log_format == "json":
-        configure_logging(config.log_level, config.log_format, f"frontend-{index}")
+        configure_json_logging(config.log_level, f"frontend-{index}")
     else:
         logging.basicConfig(level=config.log_level.upper(),
                             format=f"%(asctime)s frontend-{index} %(levelname)s: %(message)s")
@@ -232,7 +232,7 @@ def _frontend_main(config: ServerConfig, index: int) -> None:
 
 def run_server(config: ServerConfig) -> int:
     if config.log_format == "json":
-        configure_logging(config.log_level, config.log_format, "frontend-0" if config.engine is not None else "render")
+        configure_json_logging(config.log_level, "frontend-0" if config.engine is not None else "render")
     try:
         config = resolve_model_tokenizer(config)
         tokenizer = load_tokenizer(config)

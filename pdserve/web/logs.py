@@ -59,16 +59,12 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
-def configure_logging(level: str, log_format: str, process: str) -> None:
-    """The process's root logger (and uvicorn's, which then propagate to it) in ``log_format``; in JSON
-    uvicorn's access lines are off: :class:`RequestLines` writes richer ones."""
-    if log_format not in LOG_FORMATS:
-        raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}; got {log_format!r}")
+def configure_json_logging(level: str, process: str) -> None:
+    """``--log-format json``: the process's root logger (and uvicorn's, which then propagate to it) writes
+    :class:`JsonFormatter` lines; uvicorn's access lines are off, as :class:`RequestLines` writes richer ones.
+    (Text, the default, keeps the logging each process set up before this option existed.)"""
     handler = logging.StreamHandler()
-    if log_format == "json":
-        handler.setFormatter(JsonFormatter(process))
-    else:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s {process} %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(JsonFormatter(process))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -76,13 +72,12 @@ def configure_logging(level: str, log_format: str, process: str) -> None:
         uvicorn_logger = logging.getLogger(name)
         uvicorn_logger.handlers.clear()
         uvicorn_logger.propagate = True
-    if log_format == "json":
-        logging.getLogger("uvicorn.access").disabled = True
-        request_log.setLevel(logging.INFO)  # a request line per request, whatever --log-level says of the rest
+    logging.getLogger("uvicorn.access").disabled = True
+    request_log.setLevel(logging.INFO)  # a request line per request, whatever --log-level says of the rest
 
 
 def uvicorn_logging(log_format: str) -> dict[str, Any]:
-    """``uvicorn.Config`` keywords: in JSON, uvicorn leaves logging as :func:`configure_logging` set it."""
+    """``uvicorn.Config`` keywords: in JSON, uvicorn leaves logging as :func:`configure_json_logging` set it."""
     return {"log_config": None} if log_format == "json" else {}
 
 

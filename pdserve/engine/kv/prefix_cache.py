@@ -36,11 +36,14 @@ class PrefixCacheStats:
     evicted_blocks: int = 0
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None) -> list[bytes]:
-    """The chained keys of the full blocks of ``token_ids`` (a partial last block has none)."""
-    parent = hashlib.sha256(b"pdserve-prefix" + (salt.encode() if salt is not None else b"\0")).digest()
-    keys = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None,
+                 known: Sequence[bytes] = ()) -> list[bytes]:
+    """The chained keys of the full blocks of ``token_ids`` (a partial last block has none); ``known``: the keys
+    of its leading blocks, already computed (a prompt's, when its sequence's output is keyed)."""
+    parent = known[-1] if known else hashlib.sha256(
+        b"pdserve-prefix" + (salt.encode() if salt is not None else b"\0")).digest()
+    keys = list(known)
+    for start in range(len(known) * block_size, len(token_ids) - block_size + 1, block_size):
         parent = hashlib.sha256(parent + array("q", token_ids[start : start + block_size]).tobytes()).digest()
         keys.append(parent)
     return keys
@@ -72,10 +75,7 @@ class PrefixCache:
     def load(self, keys: Sequence[bytes], cache: KVCache, slot: int) -> int:
         """Copy the cached blocks of ``keys`` (all of them must be cached: :meth:`hit_blocks`) into
         positions ``[0, len(keys) * block_size)`` of ``slot``; returns that many positions."""
-        blocks = []
-        for key in keys:
-            self._cached.move_to_end(key)
-            blocks.append(self._cached[key])
+        blocks = self._touch(keys)
         if blocks:
             self.pool.load_blocks(cache, slot, 0, blocks)
         return len(blocks) * self.block_size
@@ -83,13 +83,8 @@ class PrefixCache:
     def copy_to(self, keys: Sequence[bytes], pool: KVBlockPool, blocks: Sequence[int]) -> None:
         """Copy the cached blocks of ``keys`` (all cached) into ``blocks`` of another pool of the same layout
         (a decode leg's pull: the blocks it need not READ)."""
-        if not keys:
-            return
-        mine = []
-        for key in keys:
-            self._cached.move_to_end(key)
-            mine.append(self._cached[key])
-        pool.data[torch.tensor(list(blocks))] = self.pool.data[torch.tensor(mine)]
+        if keys:
+            pool.data[torch.tensor(list(blocks))] = self.pool.data[torch.tensor(self._touch(keys))]
 
     def count_lookup(self, prompt_len: int, hit_tokens: int) -> None:
         self.stats.queries += prompt_len
@@ -116,6 +111,12 @@ class PrefixCache:
         self.pool.save_blocks(cache, slot, new, blocks)
         for index, block in zip(new, blocks, strict=True):
             self._cached[keys[index]] = block
+
+    def _touch(self, keys: Sequence[bytes]) -> list[int]:
+        """The blocks of ``keys`` (all cached), now the most recently used."""
+        for key in keys:
+            self._cached.move_to_end(key)
+        return [self._cached[key] for key in keys]
 
     def _take_block(self) -> int:
         """A never-used block, else the least recently used cached one (its key dropped first)."""
