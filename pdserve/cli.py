@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     # __main__, and the bench modules (httpx clients, workloads) would only slow their start.
     from pdserve.bench.engine import add_engine_args
     from pdserve.bench.interference import add_interference_args
+    from pdserve.bench.kv_layout import add_kv_layout_args
     from pdserve.bench.multiturn import add_multiturn_args
     from pdserve.bench.scenarios import add_scenarios_args
     from pdserve.bench.serve_bench import add_serve_args
@@ -34,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(benches.add_parser("engine", help="torch engine decode tok/s (batch 1, 8) and TTFT"))
     add_interference_args(benches.add_parser("interference", help="a long prompt arriving while streams decode: their "
                                              "ITL per --max-num-batched-tokens"))
+    add_kv_layout_args(benches.add_parser("kv-layout", help="what paged KV would cost a decode step here, against the "
+                                          "copies contiguous rows pay"))
     add_multiturn_args(benches.add_parser("multiturn", help="conversations with a shared system prompt: TTFT per turn "
                                           "(prefix caching), servers side by side"))
     add_serve_args(benches.add_parser("serve", help="streaming load generator (vllm bench serve's flags)"))
@@ -85,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.bench.interference import run_interference_cli
 
         return run_interference_cli(args)
+    if args.bench == "kv-layout":
+        from pdserve.bench.kv_layout import run_kv_layout_cli
+
+        return run_kv_layout_cli(args)
     if args.bench == "multiturn":
         from pdserve.bench.multiturn import run_multiturn_cli
 

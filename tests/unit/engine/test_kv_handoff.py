@@ -37,17 +37,45 @@ def filled_cache(slots: int = 3, max_len: int = 40) -> KVCache:
     return cache
 
 
-@given(num_tokens=st.integers(0, 40), src=st.integers(0, 2), dst=st.integers(0, 2), scramble=st.randoms())
-def test_save_then_load_moves_exactly_the_prompt_positions(num_tokens, src, dst, scramble) -> None:  # type: ignore[no-untyped-def]
+@given(num_tokens=st.integers(0, 40), src=st.integers(0, 2), dst=st.integers(0, 2), scramble=st.randoms(),
+       runs=st.booleans())
+def test_save_then_load_moves_exactly_the_prompt_positions(num_tokens, src, dst, scramble, runs) -> None:  # type: ignore[no-untyped-def]
     cache, other = filled_cache(), KVCache(CFG, 3, 40, torch.float32)
     pool = KVBlockPool(LAYOUT, 12, torch.float32)
     order = list(range(12))
-    scramble.shuffle(order)  # blocks need not be contiguous or ordered
+    if runs:  # consecutive stretches (copied as one strided run each) in scrambled order
+        cut = sorted(scramble.sample(range(1, 12), 3))
+        stretches = [order[a:b] for a, b in zip([0, *cut], [*cut, 12], strict=True)]
+        scramble.shuffle(stretches)
+        order = [block for stretch in stretches for block in stretch]
+    else:
+        scramble.shuffle(order)  # blocks need not be contiguous or ordered
     blocks = order[: LAYOUT.blocks_for(num_tokens)]
     pool.save(cache, src, num_tokens, blocks)
     pool.load(other, dst, num_tokens, blocks)
     assert torch.equal(other.data[:, :, dst, :, :num_tokens], cache.data[:, :, src, :, :num_tokens])
     assert not other.data[:, :, dst, :, num_tokens:].any()  # nothing past the prompt was written
+
+
+@given(indices=st.lists(st.integers(0, 9), unique=True, min_size=1, max_size=9).map(sorted), first=st.integers(0, 2),
+       slot=st.integers(0, 2))
+def test_blocks_of_a_slot_go_to_the_pool_blocks_paired_with_them_and_back(indices, first, slot) -> None:  # type: ignore[no-untyped-def]
+    """save_blocks / load_blocks (the prefix cache's): each slot block lands in its pool block, runs or not."""
+    cache, other = filled_cache(), KVCache(CFG, 3, 40, torch.float32)
+    pool = KVBlockPool(LAYOUT, 16, torch.float32)
+    blocks = [first + i + (i >= 3) for i in range(len(indices))]  # a run with one gap
+    pool.save_blocks(cache, slot, indices, blocks)
+    size = LAYOUT.block_size
+    for index, block in zip(indices, blocks, strict=True):
+        assert torch.equal(pool.data[block],
+                           cache.data[:, :, slot, :, index * size : (index + 1) * size])
+    untouched = sorted(set(range(16)) - set(blocks))
+    assert not pool.data[untouched].any()
+    pool.load_blocks(other, 1, size, blocks)  # back, from block 1 of another slot on
+    end = size * (1 + len(blocks))
+    expected = torch.cat([cache.data[:, :, slot, :, i * size : (i + 1) * size] for i in indices], 3)
+    assert torch.equal(other.data[:, :, 1, :, size:end], expected)
+    assert not other.data[:, :, 1, :, :size].any() and not other.data[:, :, 1, :, end:].any()
 
 
 def test_pool_allocates_whole_blocks_until_full_and_frees() -> None:
