@@ -17,7 +17,7 @@ from pdserve.engine.models import (
     Qwen3ForCausalLM,
     model_config,
 )
-from pdserve.engine.models.llama import INVARIANT_ROWS, Linear, PromptChunk
+from pdserve.engine.models.llama import ATTENTION_SPAN_ALIGN, INVARIANT_ROWS, SPLIT_KEY_ROWS, Linear, PromptChunk
 from tests.unit.engine.rope_rows import permute_rope_rows
 
 # (out, in) of every linear in SmolLM2-135M (qkv, o, gate_up, down, lm_head) and qwen3-tiny.
@@ -186,6 +186,37 @@ def test_default_bfloat16_decode_rows_stay_close_to_float32_in_any_batch(cls: ty
     for rows in (1, 8, 40, BATCH_SLOTS):
         error = (runs.batch(rows) - reference[:rows]).norm(dim=-1) / reference[:rows].norm(dim=-1)
         assert float(error.max()) < BF16_DECODE_TOLERANCE, f"batch of {rows}: relative error {error.max():.4f}"
+
+
+@functools.cache
+def _long_cache() -> KVCache:
+    """A one-slot cache of 2,048 positions (only its length matters to the runs)."""
+    return KVCache(_random_model(LlamaForCausalLM, torch.float32).cfg, 1, 2048, torch.float32)
+
+
+@given(lengths=st.lists(st.integers(1, 2000), min_size=1, max_size=70))
+def test_decode_attention_runs_cover_the_batch_and_split_only_to_save_padding(lengths: list[int]) -> None:
+    """The runs partition the rows in order, each row's keys fit its run's span, and a split is never
+    costlier, in padded key rows plus SPLIT_KEY_ROWS per extra call, than one call over the whole batch."""
+    cache = _long_cache()
+    groups = LlamaForCausalLM._decode_groups(torch.tensor(lengths) - 1, cache)
+    assert [g.start for g in groups] == [0] + [g.end for g in groups[:-1]] and groups[-1].end == len(lengths)
+    for g in groups:
+        assert g.span % ATTENTION_SPAN_ALIGN == 0 or g.span == cache.max_len
+        assert max(lengths[g.start : g.end]) <= g.span <= cache.max_len
+        assert g.mask.shape == (g.end - g.start, 1, 1, g.span)
+        visible = (g.mask == 0).sum(-1).flatten().tolist()
+        assert visible == lengths[g.start : g.end]  # each row sees exactly its own positions
+    one_call = len(lengths) * max(g.span for g in groups)
+    split = sum((g.end - g.start) * g.span for g in groups) + SPLIT_KEY_ROWS * (len(groups) - 1)
+    assert split <= one_call
+    if len(set(lengths)) == 1:
+        assert len(groups) == 1
+
+
+def test_one_long_sequence_among_short_ones_attends_apart() -> None:
+    groups = LlamaForCausalLM._decode_groups(torch.tensor([255, 255, 1023, 255, 255, 255]), _long_cache())
+    assert [(g.start, g.end, g.span) for g in groups] == [(0, 2, 256), (2, 3, 1024), (3, 6, 256)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
