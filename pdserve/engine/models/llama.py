@@ -498,7 +498,7 @@ class LlamaForCausalLM:
 
         One call over the whole batch pads every row's keys to the longest; a row far shorter than its
         neighbours starts a run of its own when the padding it would add (or make the run add) exceeds
-        :data:`SPLIT_KEY_ROWS`. Rows of equal lengths stay one call; eight sequences, one of 1,024 positions and
+        :data:`SPLIT_KEY_ROWS` (greedily, and one call wherever that costs less). Rows of equal lengths stay one call; eight sequences, one of 1,024 positions and
         seven of 256, attend in half the time of one padded call (`pdserve bench kv-layout`'s method). A row's
         bits do not depend on its run: keys past its length add exact zeros under the mask, whatever the span.
         """
@@ -514,6 +514,9 @@ class LlamaForCausalLM:
                 runs.append((first, row, span))
                 first, span = row, own
         runs.append((first, len(spans), span))
+        longest = max(spans)
+        if sum((end - start) * span for start, end, span in runs) + SPLIT_KEY_ROWS * (len(runs) - 1) > len(spans) * longest:
+            runs = [(0, len(spans), longest)]  # the greedy split can lose to one call: never worse than that
         return [
             AttentionGroup(start, end, span, torch.zeros(end - start, 1, 1, span).masked_fill_(
                 (torch.arange(span)[None, :] > positions[start:end, None])[:, None, None, :], float("-inf")))
