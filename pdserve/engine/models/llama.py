@@ -498,9 +498,10 @@ class LlamaForCausalLM:
 
         One call over the whole batch pads every row's keys to the longest; a row far shorter than its
         neighbours starts a run of its own when the padding it would add (or make the run add) exceeds
-        :data:`SPLIT_KEY_ROWS` (greedily, and one call wherever that costs less). Rows of equal lengths stay one call; eight sequences, one of 1,024 positions and
-        seven of 256, attend in half the time of one padded call (`pdserve bench kv-layout`'s method). A row's
-        bits do not depend on its run: keys past its length add exact zeros under the mask, whatever the span.
+        :data:`SPLIT_KEY_ROWS` (greedily, and one call wherever that costs less). Rows of equal lengths stay
+        one call; eight sequences, one of 1,024 positions and seven of 256, attend in half the time of one
+        padded call. A row's bits do not depend on its run: keys past its length add exact zeros under the
+        mask, whatever the span.
         """
         spans = [min(-(-(p + 1) // ATTENTION_SPAN_ALIGN) * ATTENTION_SPAN_ALIGN, cache.max_len)
                  for p in positions.tolist()]
