@@ -149,12 +149,15 @@ def create_app(orch: Orchestrator, health: HealthSettings = HealthSettings(), ap
     async def answer(request: Request, kind: Kind) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         headers = {"x-request-id": request_id}
+        # What a JSON log's request line and the request's span name (pdserve.web.logs, .tracing), read once
+        # the answer is sent.
+        request.scope.setdefault("state", {})["request_id"] = request_id
         try:
             body = await _client_body(request)
             prepared = await unless_disconnected(request.receive, orch.prepare(kind, body, request_id))
-            # What a JSON log's request line names (pdserve.web.logs), read once the answer is sent.
-            request.scope.setdefault("state", {})["request_id"] = request_id
             request.scope["state"][LEGS_STATE_KEY] = prepared.record.members
+            if orch.tracing is not None:
+                orch.tracing.watch(request.scope, prepared)
             if not body.get("stream"):
                 answer = await unless_disconnected(request.receive, orch.batch(prepared))
                 return JSONResponse(answer, headers=headers | _server_timing(prepared.record))
@@ -178,6 +181,8 @@ def create_app(orch: Orchestrator, health: HealthSettings = HealthSettings(), ap
         async def on_close() -> None:
             await upstream.aclose()
             count(kind, status)
+            if orch.tracing is not None:
+                orch.tracing.stream_closed(prepared, status)
 
         # The legs known before the first byte (render, prefill); the decode leg's times come after the
         # headers went out, so only the finishing chunk's metrics can carry them.

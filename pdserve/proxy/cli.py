@@ -8,6 +8,7 @@ import argparse
 from pdserve.protocol.keepalive import SERVER_KEEP_ALIVE_S
 from pdserve.proxy.modes import MODES, ROUTINGS
 from pdserve.web.logs import LOG_FORMATS
+from pdserve.web.trace_context import add_traces_arg
 
 
 def _urls(value: str) -> list[str]:
@@ -77,6 +78,7 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
                    help="json: one JSON object per log line, and a line per answered request with its request id, "
                    "trace id and the member of each leg (docs/observability.md)")
+    add_traces_arg(p, "a span per client request and per leg; each leg carries a traceparent naming its span")
 
 
 def run_proxy(args: argparse.Namespace) -> int:

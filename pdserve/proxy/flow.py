@@ -22,7 +22,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import httpx
 
@@ -37,6 +37,9 @@ from pdserve.proxy.modes import Mode
 from pdserve.proxy.pool import Member, Pool
 from pdserve.proxy.record import Leg, RequestRecord
 from pdserve.proxy.upstream import OpenStream, UpstreamError, error_body, open_stream, post_json
+
+if TYPE_CHECKING:  # loaded only with --otlp-traces-endpoint (it imports the OpenTelemetry SDK)
+    from pdserve.proxy.tracing import ProxyTracing
 
 Kind = Literal["chat", "completions"]
 
@@ -74,6 +77,7 @@ class Prepared:
     headers: dict[str, str]
     kv_transfer_params: dict[str, Any] | None
     record: RequestRecord = field(default_factory=RequestRecord)
+    decode_span: Any = None  # with --otlp-traces-endpoint: the open decode stream's leg span
 
     @property
     def response_id(self) -> str:
@@ -119,13 +123,14 @@ class Orchestrator:
 
     def __init__(self, client: httpx.AsyncClient, render: Pool, prefill: Pool, decode: Pool, mode: Mode,
                  metrics: ProxyMetrics, migration: MigrationSettings = MigrationSettings(),
-                 per_request_metrics: bool = False):
+                 per_request_metrics: bool = False, tracing: ProxyTracing | None = None):
         self.client = client
         self.render, self.prefill, self.decode = render, prefill, decode
         self.mode = mode
         self.metrics = metrics
         self.migration = migration
         self.per_request_metrics = per_request_metrics  # --enable-per-request-metrics
+        self.tracing = tracing  # --otlp-traces-endpoint (None: off, and nothing of it runs)
         self.in_flight = 0  # client requests being answered (streams until they close)
         self.draining = False  # shutting down: new requests get 503
         self._streams: set[OpenStream] = set()  # decode streams being relayed
@@ -144,14 +149,24 @@ class Orchestrator:
         return self.render, self.prefill, self.decode
 
     async def _timed(self, leg: str, pool: Pool, path: str, body: Any, headers: dict[str, str],
-                     exclude: Collection[str] = ()) -> tuple[Member, Any, float]:
-        """POST to a member of ``pool``: the member, its JSON answer and the seconds it took."""
+                     exclude: Collection[str] = (), retry_of: str | None = None) -> tuple[Member, Any, float]:
+        """POST to a member of ``pool``: the member, its JSON answer and the seconds it took (with tracing, in a
+        span of the leg's own; ``retry_of``: the member that failed the leg before)."""
+        tracing, span = self.tracing, None
+        if tracing is not None:
+            span, headers = tracing.start_leg(leg, headers, **{"pdserve.retry_of": retry_of})
         start = time.perf_counter()
         try:
             member, answer = await post_json(self.client, pool, path, body, headers, exclude)
+        except BaseException as e:
+            if tracing is not None and span is not None:
+                tracing.leg_failed(span, e)
+            raise
         finally:
             seconds = time.perf_counter() - start
             self.metrics.leg_seconds.labels(leg).observe(seconds)
+        if tracing is not None and span is not None:
+            tracing.leg_done(span, member.url)
         return member, answer, seconds
 
     def _check(self, body: dict[str, Any]) -> None:
@@ -191,7 +206,7 @@ class Orchestrator:
                 raise
             self.metrics.retries.labels("prefill").inc()
             member, answer, _ = await self._timed("prefill", self.prefill, GENERATE, body, headers,
-                                                  exclude={e.failed_member})
+                                                  exclude={e.failed_member}, retry_of=e.failed_member)
             record.retried("prefill", e.cause or "dropped", e.failed_member, member.url)
         record.prefill_answered(member.url, time.perf_counter() - start, answer)
         return answer
@@ -250,15 +265,30 @@ class Orchestrator:
         body = decode_body(p.rendered, mode, p.kv_transfer_params)
         p.record.decode_started()
         try:
-            return await open_stream(self.client, self.decode, "POST", GENERATE, body, p.headers)
+            return await self._open_decode(p, body)
         except UpstreamError as e:
             if e.failed_member is None or self.migration.limit <= 0:
                 raise
             self.metrics.retries.labels("decode").inc()
-            stream = await open_stream(self.client, self.decode, "POST", GENERATE,
-                                       decode_body(p.rendered, mode, None), p.headers, exclude={e.failed_member})
+            stream = await self._open_decode(p, decode_body(p.rendered, mode, None), exclude={e.failed_member},
+                                             **{"pdserve.retry_of": e.failed_member})
             p.record.retried("decode", e.cause or "dropped", e.failed_member, stream.member.url)
             return stream
+
+    async def _open_decode(self, p: Prepared, body: dict[str, Any], exclude: Collection[str] = (),
+                           **span_attributes: Any) -> OpenStream:
+        """Open a decode leg's stream; with tracing, in a leg span that stays open while it is relayed."""
+        if self.tracing is None:
+            return await open_stream(self.client, self.decode, "POST", GENERATE, body, p.headers, exclude)
+        span, headers = self.tracing.start_leg("decode", p.headers, **span_attributes)
+        try:
+            stream = await open_stream(self.client, self.decode, "POST", GENERATE, body, headers, exclude)
+        except BaseException as e:
+            self.tracing.leg_failed(span, e)
+            raise
+        self.tracing.leg_answered(span, stream.member.url)
+        p.decode_span = span
+        return stream
 
     async def events(self, p: Prepared, stream: OpenStream) -> AsyncIterator[str]:
         """The client's SSE events from an open decode stream; always ends with ``[DONE]``.
@@ -273,6 +303,7 @@ class Orchestrator:
         convert = self._converter(p, surface)
         resumption = Resumption(p.rendered, decode_mode(self.mode, p.kind), self.migration.limit)
         self._streams.add(stream)
+        completed = False  # the relay reached its end (not cut short by the client leaving)
         try:
             for chunk in surface.opening():
                 yield sse_event(chunk)
@@ -298,17 +329,23 @@ class Orchestrator:
                     break
                 except LegBroken as broken:
                     self._streams.discard(stream)
+                    if self.tracing is not None:
+                        self.tracing.stream_broke(p, broken.cause, broken.error)
                     if stream.cut_by_proxy:
                         raise UpstreamError(503, error_body(str(self._cut_reason), 503, "ServiceUnavailableError")) from None
                     stream = await self._migrate(p, stream, resumption, broken)
                     self._streams.add(stream)
+            completed = True
         except UpstreamError as e:
+            completed = True
             yield sse_event(e.body)
         finally:
             self._streams.discard(stream)
             await stream.aclose()
             self.metrics.leg_seconds.labels("decode").observe(time.perf_counter() - start)
             self.metrics.observe_phases(p.record.decode_phases())
+            if self.tracing is not None:
+                self.tracing.stream_ended(p, completed)
         yield DONE
 
     async def _migrate(self, p: Prepared, broken_stream: OpenStream, resumption: Resumption,
@@ -321,8 +358,9 @@ class Orchestrator:
             raise _explained(broken.error, f"not moved to another decode member: {refusal}")
         body = resumption.body(decode_body(p.rendered, decode_mode(self.mode, p.kind), None))
         try:
-            stream = await open_stream(self.client, self.decode, "POST", GENERATE, body, p.headers,
-                                       exclude={broken_stream.member.url})
+            stream = await self._open_decode(p, body, exclude={broken_stream.member.url},
+                                             **{"pdserve.migrated_from": broken_stream.member.url,
+                                                "pdserve.migration_cause": broken.cause})
         except UpstreamError as e:
             self.metrics.migrations.labels(broken.cause, "failed").inc()
             raise _explained(broken.error, f"moving it to another decode member failed: {e}") from None

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import httpx
 
 from pdserve.protocol.generate import OutputMode, decodes_text, parses_message
+from pdserve.web.trace_context import unsampled_traceparent
 
 GENERATE_PATH = "/inference/v1/generate"
 # One token id every vocabulary has; the probe asks for one new token, so it costs one engine step.
@@ -60,7 +61,9 @@ async def member_refusal(client: httpx.AsyncClient, url: str, modes: Sequence[Ou
     for mode in modes:
         if not decodes_text(mode):
             continue
-        response = await client.post(url + GENERATE_PATH, json=probe_body(mode), timeout=timeout_s)
+        # An unsampled traceparent: a member with --otlp-traces-endpoint records no trace of a probe.
+        response = await client.post(url + GENERATE_PATH, json=probe_body(mode), timeout=timeout_s,
+                                     headers={"traceparent": unsampled_traceparent()})
         refusal = mode_refusal(url + GENERATE_PATH, mode, response.status_code, response.content)
         if refusal is not None:
             return refusal

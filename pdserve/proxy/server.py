@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Sequence
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import httpx
 import uvicorn
@@ -20,6 +21,9 @@ from pdserve.proxy.modes import Mode
 from pdserve.proxy.pool import ADMIT_TIMEOUT_S, Admission, Member, Pool, check_pools
 from pdserve.proxy.preflight import member_refusal
 from pdserve.web.logs import configure_json_logging, serving, uvicorn_logging
+
+if TYPE_CHECKING:  # loaded only with --otlp-traces-endpoint (it imports the OpenTelemetry SDK)
+    from pdserve.proxy.tracing import ProxyTracing
 
 ROUTES = "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics"
 
@@ -39,12 +43,17 @@ def _metrics_line(orch: Orchestrator) -> str:
     return f"Server-Timing on batch answers, {legs} (--enable-per-request-metrics)"
 
 
+def _traces_line(orch: Orchestrator) -> str:
+    return "off (--otlp-traces-endpoint URL)" if orch.tracing is None else orch.tracing.describe()
+
+
 def ready_banner(orch: Orchestrator, url: str) -> str:
     """Where it listens, the mode, and each pool with its members' health at start."""
     lines = [f"pdserve proxy ready on {url}", f"  mode       {orch.mode}",
              f"  routing    {orch.decode.routing}",
              f"  migration  {_migration_line(orch.migration)}",
-             f"  metrics    {_metrics_line(orch)}"]
+             f"  metrics    {_metrics_line(orch)}",
+             f"  traces     {_traces_line(orch)}"]
     lines += [f"  {pool.name:<10} {_pool_line(pool)}" for pool in orch.pools]
     lines.append(f"  routes     {ROUTES}")
     return "\n".join(lines)
@@ -107,7 +116,18 @@ def decode_admission(mode: Mode) -> Admission:
     return admit
 
 
-def build_orchestrator(args: argparse.Namespace) -> Orchestrator:
+def proxy_tracing(args: argparse.Namespace, url: str) -> ProxyTracing | None:
+    """The proxy's tracer with ``--otlp-traces-endpoint``; None (and no SDK imported) without it."""
+    if getattr(args, "otlp_traces_endpoint", None) is None:
+        return None
+    from pdserve.proxy.tracing import ProxyTracing
+    from pdserve.web.tracing import Tracing
+
+    return ProxyTracing(Tracing(args.otlp_traces_endpoint, "pdserve-proxy",
+                                {"service.instance.id": url, "pdserve.member": url, "pdserve.role": "proxy"}))
+
+
+def build_orchestrator(args: argparse.Namespace, tracing: ProxyTracing | None = None) -> Orchestrator:
     metrics = ProxyMetrics()
 
     def pool(name: str, urls: Sequence[str], admit: Admission | None = None) -> Pool:
@@ -120,7 +140,8 @@ def build_orchestrator(args: argparse.Namespace) -> Orchestrator:
     client = make_client(args.connect_timeout_s, args.upstream_timeout_s)
     return Orchestrator(client, pool("render", args.render), pool("prefill", args.prefill),
                         pool("decode", args.decode, decode_admission(args.mode)), args.mode, metrics,
-                        MigrationSettings(args.migration_limit, args.stall_timeout_s), args.enable_per_request_metrics)
+                        MigrationSettings(args.migration_limit, args.stall_timeout_s), args.enable_per_request_metrics,
+                        tracing)
 
 
 async def _refusals_at_start(orch: Orchestrator, timeout_s: float) -> list[str]:
@@ -131,18 +152,32 @@ async def _refusals_at_start(orch: Orchestrator, timeout_s: float) -> list[str]:
 
 
 def serve_proxy(args: argparse.Namespace) -> int:
-    orch = build_orchestrator(args)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"http://{host}:{args.port}"
+    try:
+        tracing = proxy_tracing(args, url)
+    except ValueError as e:
+        print(f"pdserve proxy: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _serve(args, url, tracing)
+    finally:
+        if tracing is not None:
+            tracing.shutdown()  # the spans still queued go out before the process stops
+
+
+def _serve(args: argparse.Namespace, url: str, tracing: ProxyTracing | None) -> int:
+    orch = build_orchestrator(args, tracing)
     refusals = asyncio.run(_refusals_at_start(orch, args.connect_timeout_s))
     if refusals:
         print("pdserve proxy: not starting, a member cannot serve this proxy's requests:", file=sys.stderr)
         print("\n".join(f"  {line}" for line in refusals), file=sys.stderr, flush=True)
         return 2
     app = create_app(orch, HealthSettings(args.health_interval_s, args.connect_timeout_s), args.api_key)
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    url = f"http://{host}:{args.port}"
+    served = app if tracing is None else tracing.tracing.middleware(app)
     if args.log_format == "json":
         configure_json_logging(args.log_level, "proxy")
-    config = uvicorn.Config(serving(app, args.log_format, url), host=args.host, port=args.port,
+    config = uvicorn.Config(serving(served, args.log_format, url), host=args.host, port=args.port,
                             log_level=args.log_level, loop="uvloop", http="httptools", timeout_graceful_shutdown=5,
                             timeout_keep_alive=args.timeout_keep_alive, **uvicorn_logging(args.log_format))
     _AnnouncingServer(config, orch, url, args.shutdown_timeout).run()

@@ -28,20 +28,23 @@ from pdserve.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from pdserve.parsers import ParserConfig
+    from pdserve.web.tracing import Tracing
 
 
 def create_app(
     config: ServerConfig, engine: Engine | None, tokenizer: Tokenizer | None, *, owns_engine: bool = True,
-    parser_config: ParserConfig | None = None,
+    parser_config: ParserConfig | None = None, tracing: Tracing | None = None,
 ) -> FastAPI:
     """Build the app. With ``owns_engine`` the app starts and stops the engine in its lifespan;
-    ``parser_config`` is the validated --reasoning-parser/--tool-call-parser setup (None: no parser)."""
+    ``parser_config`` is the validated --reasoning-parser/--tool-call-parser setup (None: no parser);
+    ``tracing`` this process's tracer (--otlp-traces-endpoint; the caller puts its middleware around the app)."""
     metrics = Metrics(
         engine.stats if engine is not None else None, lambda: engine.info if engine is not None else None,
         decoded_ids=lambda: tokenizer.decoded_ids if tokenizer is not None else None,
         direct_outputs=lambda: engine.direct_outputs() if isinstance(engine, DirectDelivery) else None,
     )
-    state = AppState(config=config, engine=engine, tokenizer=tokenizer, metrics=metrics, parser_config=parser_config)
+    state = AppState(config=config, engine=engine, tokenizer=tokenizer, metrics=metrics, parser_config=parser_config,
+                     tracing=tracing)
     entries, ttl = config.derender_cache_entries, config.derender_cache_ttl_s
     state.derender_cache = metrics.watch_derender_cache(DerenderCache(entries, ttl) if entries else None)
 

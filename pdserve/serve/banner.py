@@ -1,8 +1,8 @@
 """The line a server prints once it accepts connections: where it listens and what it serves.
 
 Operators read it the way they read ``vllm serve``'s startup lines: the URL, the model and its
-limits, the engine (and its threads), the tokenizer, the parsers, the KV hand-off, how streams are chunked
-and the routes this role serves.
+limits, the engine (and its threads), the tokenizer, the parsers, the KV hand-off, how streams are chunked,
+where traces go and the routes this role serves.
 """
 
 from __future__ import annotations
@@ -98,6 +98,11 @@ def _limits_line(state: AppState) -> str:
     return ", ".join(parts)
 
 
+def _traces_line(state: AppState) -> str:
+    """Where this server's spans go (--otlp-traces-endpoint), or that it traces nothing."""
+    return "off (--otlp-traces-endpoint URL)" if state.tracing is None else state.tracing.describe()
+
+
 def ready_banner(state: AppState, url: str) -> str:
     """Several lines, one fact each (printed to stderr when the server is ready)."""
     tokenizer = state.tokenizer.name if state.tokenizer is not None else "none (--tokens-only)"
@@ -111,5 +116,6 @@ def ready_banner(state: AppState, url: str) -> str:
         *([f"  kv         {_kv_line(state)}", f"  streams    {_streams_line(state)}"]
           if state.engine is not None else []),
         f"  limits     {_limits_line(state)}",
+        f"  traces     {_traces_line(state)}",
         f"  routes     {_routes_line(state)}",
     ])

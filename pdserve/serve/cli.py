@@ -20,6 +20,7 @@ from pdserve.serve.config import (
     ServerConfig,
 )
 from pdserve.web.logs import LOG_FORMATS
+from pdserve.web.trace_context import add_traces_arg, traces_url
 
 DEMO_SCRIPT = "demo_script.jsonl"
 
@@ -57,6 +58,7 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--derender-cache-ttl", type=float, default=DEFAULT_DERENDER_CACHE_TTL_S,
                    help="seconds a cached streaming /derender state lives after its last chunk")
+    add_traces_arg(p, "a span per request, with its queue, prefill, KV pull, decode and derender")
 
 
 def _add_kv_args(p: argparse.ArgumentParser) -> None:
@@ -295,7 +297,7 @@ def render_config(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-def _common_settings(args: argparse.Namespace) -> dict[str, float | int]:
+def _common_settings(args: argparse.Namespace) -> dict[str, float | int | str | None]:
     """The settings of :func:`_add_server_args` beyond the basics, checked (every role has them)."""
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must be 0 or more")
@@ -303,7 +305,10 @@ def _common_settings(args: argparse.Namespace) -> dict[str, float | int]:
         raise ValueError("--timeout-keep-alive must be positive")
     if args.derender_cache_entries < 0 or args.derender_cache_ttl <= 0:
         raise ValueError("--derender-cache-entries must be 0 or more and --derender-cache-ttl positive")
+    if args.otlp_traces_endpoint is not None:
+        traces_url(args.otlp_traces_endpoint)  # a ValueError naming the flag
     return {
+        "otlp_traces_endpoint": args.otlp_traces_endpoint,
         "shutdown_timeout_s": args.shutdown_timeout,
         "timeout_keep_alive_s": args.timeout_keep_alive,
         "derender_cache_entries": args.derender_cache_entries,

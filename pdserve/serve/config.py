@@ -59,3 +59,5 @@ class ServerConfig:
     derender_cache_ttl_s: float = DEFAULT_DERENDER_CACHE_TTL_S
     # --stream-interval: the fewest tokens per stream chunk (a request may ask for more).
     stream_interval: int = 1
+    # --otlp-traces-endpoint: the OTLP/HTTP collector this server's spans go to (None: no tracing, no SDK loaded).
+    otlp_traces_endpoint: str | None = None

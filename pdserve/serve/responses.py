@@ -30,6 +30,7 @@ from pdserve.serve.http.errors import engine_error_body, error_body
 from pdserve.serve.http.handlers import logger, report_stream_error
 from pdserve.serve.inflight import Prepared, StreamWatch
 from pdserve.serve.state import AppState
+from pdserve.serve.tracing import record_engine_requests
 from pdserve.web.disconnect import ClientGone, unless_disconnected
 
 
@@ -152,11 +153,13 @@ async def respond_batch(
 
 def _answered(state: AppState, labels: tuple[str, str], status: str, prepared: Sequence[Prepared]) -> None:
     """A request answered (batch or stream): out of the running gauge, counted under ``labels`` with its
-    status, and a success's TTFT and TPOT into their histograms."""
+    status, a success's TTFT and TPOT into their histograms, and with --otlp-traces-endpoint its spans."""
     state.metrics.running.dec()
     state.metrics.requests.labels(*labels, status).inc()
     if status == "200":
         state.metrics.observe_timing(rstate for _, rstate in prepared)
+    if state.tracing is not None:
+        record_engine_requests(prepared, status)
 
 
 def _admit(state: AppState, prepared: Sequence[Prepared], labels: tuple[str, str]) -> None:

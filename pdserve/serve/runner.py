@@ -43,6 +43,7 @@ from pdserve.serve.config import ServerConfig
 from pdserve.serve.http.protocol import BoundedHttpToolsProtocol
 from pdserve.serve.inflight import drain
 from pdserve.serve.state import AppState
+from pdserve.serve.tracing import PHASE_PATHS, configure_tracing
 from pdserve.text.tokenizer import Tokenizer
 from pdserve.web.logs import configure_json_logging, serving, uvicorn_logging
 
@@ -198,18 +199,24 @@ def freeze_startup_heap() -> None:
 
 def _serve_app(config: ServerConfig, engine: Engine | None, tokenizer: Tokenizer | None, parsers: ParserConfig | None,
                sock: socket.socket, announce: bool = True) -> None:
-    app = create_app(config, engine, tokenizer, parser_config=parsers)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    tracing = configure_tracing(config, url)  # None without --otlp-traces-endpoint
+    app = create_app(config, engine, tokenizer, parser_config=parsers, tracing=tracing)
+    served = app if tracing is None else tracing.middleware(app, PHASE_PATHS)
     server = _PdserveServer(
         # httptools bounded to MAX_HEADER_BYTES of request head (431 past it; httptools has no limit of its own).
-        uvicorn.Config(serving(app, config.log_format, url), log_level=config.log_level, loop="uvloop",
+        uvicorn.Config(serving(served, config.log_format, url), log_level=config.log_level, loop="uvloop",
                        http=BoundedHttpToolsProtocol, timeout_graceful_shutdown=5,
                        timeout_keep_alive=config.timeout_keep_alive_s, **uvicorn_logging(config.log_format)),
         (lambda: ready_banner(app.state.pdserve, url)) if announce else None,
         app.state.pdserve,
     )
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if tracing is not None:
+            tracing.shutdown()  # the spans still queued go out before the process stops
 
 
 def _frontend_main(config: ServerConfig, index: int) -> None:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the parsers package loads only on servers that configure on
     from pdserve.output.derender_cache import DerenderCache
     from pdserve.output.request_state import ChoiceState
     from pdserve.parsers import ParserConfig
+    from pdserve.web.tracing import Tracing
 
 
 @dataclass
@@ -34,6 +35,8 @@ class AppState:
     inflight: InFlight = field(default_factory=lambda: InFlight(capacity=None))
     # Streaming /derender: live choice states of streams in progress (None: --derender-cache-entries 0).
     derender_cache: DerenderCache[ChoiceState] | None = None
+    # --otlp-traces-endpoint: this process's tracer (pdserve.serve.tracing); None, the default, traces nothing.
+    tracing: Tracing | None = None
 
     @property
     def model_name(self) -> str:

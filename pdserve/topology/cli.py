@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from pdserve.proxy.modes import MODES
 from pdserve.web.logs import LOG_FORMATS
+from pdserve.web.trace_context import add_traces_arg, traces_url
 
 DEFAULT_BASE_PORT = 8000
 
@@ -34,6 +35,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prometheus", action="store_true",
                    help="write a Prometheus scrape configuration for every member into the run directory and, "
                    "if the prometheus binary is installed, run it beside the fleet (docs/observability.md)")
+    add_traces_arg(p, "from every process it starts: the render, prefill and decode servers and the proxy")
 
 
 def parser_flags(args: argparse.Namespace) -> tuple[str, ...]:
@@ -47,12 +49,19 @@ def parser_flags(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(flags)
 
 
+def traces_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--otlp-traces-endpoint URL``, which every process ``up`` starts gets, when it is set."""
+    endpoint = getattr(args, "otlp_traces_endpoint", None)
+    return ("--otlp-traces-endpoint", endpoint) if endpoint else ()
+
+
 def proxy_flags(args: argparse.Namespace, serve_flags: Sequence[str]) -> tuple[str, ...]:
-    """The proxy's flags: ``up``'s log settings and API key, and ``--enable-per-request-metrics`` when the
-    servers get it (they report their legs' figures, and the proxy puts them in its answers)."""
+    """The proxy's flags: ``up``'s log settings, traces endpoint and API key, and ``--enable-per-request-metrics``
+    when the servers get it (they report their legs' figures, and the proxy puts them in its answers)."""
     flags = ["--log-level", args.log_level]
     if args.log_format != "text":
         flags += ["--log-format", args.log_format]
+    flags += traces_flags(args)
     if "--enable-per-request-metrics" in serve_flags:
         flags.append("--enable-per-request-metrics")
     if args.api_key:
@@ -68,6 +77,7 @@ def run_up(args: argparse.Namespace, serve_flags: list[str]) -> int:
 
     model = args.model or DEFAULT_MODEL
     try:
+        traces = traces_url(args.otlp_traces_endpoint) if args.otlp_traces_endpoint else None
         if args.engine == "vllm":
             from pdserve.engine.runners.vllm_runner import require_vllm
 
@@ -87,7 +97,7 @@ def run_up(args: argparse.Namespace, serve_flags: list[str]) -> int:
     log_format = ("--log-format", args.log_format) if args.log_format != "text" else ()
     request = TopologyRequest(
         model=model, tokenizer_dir=str(tokenizer_dir), prefill=args.prefill, decode=args.decode, mode=args.mode,
-        parser_flags=parser_flags(args), serve_flags=(*serve_flags, *log_format), engine=args.engine,
+        parser_flags=parser_flags(args), serve_flags=(*serve_flags, *log_format, *traces_flags(args)), engine=args.engine,
         proxy_flags=proxy_flags(args, serve_flags),
     )
     try:
@@ -97,4 +107,4 @@ def run_up(args: argparse.Namespace, serve_flags: list[str]) -> int:
         return 2
     on_vllm = args.engine == "vllm"
     return run(specs, args.mode, model, VLLM_STARTUP_TIMEOUT_S if on_vllm else STARTUP_TIMEOUT_S, warm_up=on_vllm,
-               prometheus=args.prometheus, api_key=args.api_key)
+               prometheus=args.prometheus, api_key=args.api_key, traces=traces)

@@ -25,8 +25,9 @@ from pdserve.topology.members import MemberSpec
 
 # The serve flags that switch on the KV hand-off between the prefill and decode pools.
 KV_TRANSFER_FLAGS: tuple[str, ...] = ("--kv-transfer", "nixl")
-# Extra serve flags that the render server needs as well (it bounds derender input by the model length).
-RENDER_SHARED_FLAGS = ("--max-model-len", "--log-format")
+# Extra serve flags that the render server needs as well (it bounds derender input by the model length, and
+# logs and traces as they do).
+RENDER_SHARED_FLAGS = ("--max-model-len", "--log-format", "--otlp-traces-endpoint")
 
 
 @dataclass(frozen=True)

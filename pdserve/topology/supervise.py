@@ -61,12 +61,14 @@ def wait_healthy(members: list[ServerProcess], timeout_s: float) -> None:
 
 
 def summary(members: list[ServerProcess], mode: str, model: str, log_dir: Path,
-            monitoring: Monitoring | None = None) -> str:
+            monitoring: Monitoring | None = None, traces: str | None = None) -> str:
     proxy = members[-1]
     lines = [f"pdserve up: ready: {model}, mode {mode}"]
     lines += [f"  {m.name:<10} {m.url:<24} pid {m.pid}" for m in members]
     if monitoring is not None:
         lines += monitoring_lines(monitoring)
+    if traces is not None:
+        lines.append(f"  traces     {traces} (OTLP/HTTP, from every member and the proxy)")
     lines += [f"  logs       {log_dir}", f"OpenAI base URL: {proxy.url}/v1", "Ctrl-C stops them all."]
     return "\n".join(lines)
 
@@ -112,11 +114,12 @@ def warm_hand_offs(specs: list[MemberSpec], timeout_s: float) -> None:
 
 
 def run(specs: list[MemberSpec], mode: str, model: str, startup_timeout_s: float = STARTUP_TIMEOUT_S,
-        warm_up: bool = False, prometheus: bool = False, api_key: str | None = None) -> int:
+        warm_up: bool = False, prometheus: bool = False, api_key: str | None = None, traces: str | None = None) -> int:
     """Start, supervise and stop the topology; the exit code of ``pdserve up``. ``warm_up``: one hand-off
     per prefill and decode pair before the proxy starts (vLLM engines). ``prometheus``: write the scrape
     configuration into the run directory and run Prometheus beside the fleet if it is installed
-    (``api_key``: the proxy's, for the proxy's scrapes)."""
+    (``api_key``: the proxy's, for the proxy's scrapes). ``traces``: where the members' spans go, for the
+    ready lines (--otlp-traces-endpoint, resolved)."""
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
     servers = [member_process(s, log_dir) for s in specs if s.role != "proxy"]
     proxy = [member_process(s, log_dir) for s in specs if s.role == "proxy"]
@@ -143,7 +146,7 @@ def run(specs: list[MemberSpec], mode: str, model: str, startup_timeout_s: float
             warm_hand_offs(specs, startup_timeout_s)
         proxy[0].spawn()
         wait_healthy(proxy, startup_timeout_s)
-        print(summary(members, mode, model, log_dir, monitoring), flush=True)
+        print(summary(members, mode, model, log_dir, monitoring, traces), flush=True)
         reported: set[str] = set()
         while _report_exits(members, reported, proxy[0].name, beside) is None:
             time.sleep(WATCH_POLL_S)

@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from datetime import UTC, datetime
 from typing import Any
 
+from pdserve.web.trace_context import parse_traceparent
+
 LOG_FORMATS = ("text", "json")
 # Fields a record may carry (``logger.info(..., extra={...})``) that a JSON line keeps as its own keys.
 REQUEST_FIELDS = ("request_id", "trace_id", "member", "legs", "method", "path", "status", "duration_ms")
-# A W3C traceparent: version-traceid-parentid-flags; the trace id is 32 lowercase hex digits, not all zero.
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
 # The scope["state"] key under which a handler leaves a callable that says which members served a request's
 # legs (the proxy: its request record's, read when the answer has been sent, decode leg included).
 LEGS_STATE_KEY = "pdserve_legs"
@@ -89,10 +88,8 @@ def serving(app: ASGIApp, log_format: str, member: str) -> ASGIApp:
 
 def trace_id(traceparent: str | None) -> str | None:
     """The trace id of a W3C ``traceparent`` header, or None when there is none or it is malformed."""
-    match = _TRACEPARENT.match(traceparent or "")
-    if match is None or match.group(1) == "0" * 32:
-        return None
-    return match.group(1)
+    parsed = parse_traceparent(traceparent)
+    return None if parsed is None else parsed.trace_id
 
 
 class RequestLines:

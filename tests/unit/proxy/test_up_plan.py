@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from pdserve.topology.cli import add_up_args, proxy_flags
+from pdserve.topology.cli import add_up_args, proxy_flags, traces_flags
 from pdserve.topology.plan import TopologyRequest, plan
 
 PARSERS = ("--reasoning-parser", "qwen3")
@@ -73,3 +73,19 @@ def test_the_proxy_gets_ups_log_settings_and_per_request_metrics_when_the_server
                                                  "--enable-per-request-metrics", "--max-model-len", "512"])
     assert proxy_flags(args, serve_flags) == ("--log-level", "warning", "--log-format", "json",
                                               "--enable-per-request-metrics", "--api-key", "k")
+
+
+def test_every_process_up_starts_gets_the_traces_endpoint() -> None:
+    parser = argparse.ArgumentParser()
+    add_up_args(parser)
+    args, serve_flags = parser.parse_known_args(["qwen3-tiny", "--otlp-traces-endpoint", "http://127.0.0.1:4318"])
+    assert serve_flags == [] and traces_flags(args) == ("--otlp-traces-endpoint", "http://127.0.0.1:4318")
+    # as run_up composes them: the servers' extra flags (the render server takes it from there), the proxy's
+    req = TopologyRequest(model="qwen3-tiny", tokenizer_dir="d", decode=2, serve_flags=traces_flags(args),
+                          proxy_flags=proxy_flags(args, serve_flags))
+    specs = plan(req, lambda k: 9000 + k)
+    assert [s.name for s in specs] == ["render", "prefill-0", "decode-0", "decode-1", "proxy"]
+    assert all(_args(s.args, "--otlp-traces-endpoint") == "http://127.0.0.1:4318" for s in specs)
+    plain = parser.parse_known_args(["qwen3-tiny"])[0]
+    assert traces_flags(plain) == () and not any("--otlp-traces-endpoint" in s.args for s in plan(
+        TopologyRequest(model="m", tokenizer_dir="d", proxy_flags=proxy_flags(plain, [])), lambda k: k))
