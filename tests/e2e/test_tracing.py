@@ -122,6 +122,8 @@ def test_one_pd_request_is_one_trace_across_the_four_processes(fleet) -> None:  
     # Every trace starts at the proxy: its probes of the decode member at start (a generate request per output
     # mode) carry an unsampled traceparent, so the member recorded none of them.
     assert receiver.find(lambda s: s.parent_id == "" and s.service != "pdserve-proxy") == []
+    for role, server in servers.items():  # each ready banner says where its spans go
+        assert f"traces     OTLP/HTTP to {receiver.url}/v1/traces as service {SERVICES[role]}" in server.log(), role
 
 
 def test_a_clients_traceparent_is_continued_on_every_leg(fleet) -> None:  # type: ignore[no-untyped-def]
