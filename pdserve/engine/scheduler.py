@@ -5,17 +5,16 @@ their ``n`` sequences fit and their prompt fits what is left of the step's token
 (``--max-num-batched-tokens``, shared with the running sequences' decode rows); a finished
 sequence leaves between steps too. A prompt longer than the budget is prefilled in chunks
 instead (:meth:`Scheduler.start_chunked`): one at a time, its slots reserved until it is
-placed. Running sequences always occupy slots ``0..B-1`` (the last one moves into a freed
-slot), so a decode step reads the KV cache as one contiguous view and its batch row ``i``
-is slot ``i``. The scheduler only does the bookkeeping; the runner owns tensors and applies
-the slot moves it returns.
+placed. A sequence keeps its slot from placement to release: its keys/values never move (a decode step
+reads each run of consecutive slots as a view, and slots are handed out lowest first, so the running ones
+stay packed). The scheduler only does the bookkeeping; the runner owns the tensors.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 
@@ -39,14 +38,6 @@ R = TypeVar("R", bound=Waiting)
 S = TypeVar("S", bound=Placed)
 
 
-@dataclass(frozen=True)
-class SlotMove:
-    """The sequence in ``src`` now lives in ``dst``: copy its KV rows before the next step."""
-
-    src: int
-    dst: int
-
-
 class Scheduler(Generic[R, S]):
     def __init__(self, max_num_seqs: int) -> None:
         if max_num_seqs < 1:
@@ -54,11 +45,12 @@ class Scheduler(Generic[R, S]):
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[R] = deque()
         self.running: list[S] = []
-        self.reserved = 0  # slots held for the request being prefilled in chunks
+        self.reserved: list[int] = []  # slots held for the request being prefilled in chunks
+        self._free = list(range(max_num_seqs))  # a heap: the lowest free slot first
 
     @property
     def free_slots(self) -> int:
-        return self.max_num_seqs - len(self.running) - self.reserved
+        return len(self._free)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -92,39 +84,38 @@ class Scheduler(Generic[R, S]):
         return admitted
 
     def start_chunked(self) -> R | None:
-        """Pop the oldest request to prefill in chunks, its slots reserved until :meth:`unreserve`; None
-        while another one is (one at a time) or its sequences do not fit the free slots."""
+        """Pop the oldest request to prefill in chunks, its slots reserved (:attr:`reserved`, the first one its
+        chunks run into) until it is placed or :meth:`unreserve`; None while another one is (one at a time) or
+        its sequences do not fit the free slots."""
         if self.reserved or not self.waiting or self.waiting[0].num_seqs > self.free_slots:
             return None
         head = self.waiting.popleft()
-        self.reserved = head.num_seqs
+        self.reserved = [heapq.heappop(self._free) for _ in range(head.num_seqs)]
         return head
 
     def unreserve(self) -> None:
-        """The chunked request is done (to be placed) or gone: its slots are free again."""
-        self.reserved = 0
+        """The chunked request is gone before its placement: its reserved slots are free again."""
+        for slot in self.reserved:
+            heapq.heappush(self._free, slot)
+        self.reserved = []
 
-    def place(self, seq: S) -> int:
-        """Give a newly admitted sequence the next slot (admission already reserved it)."""
-        if not self.free_slots:
+    def place(self, seq: S, slot: int | None = None) -> int:
+        """Give a newly admitted sequence the lowest free slot (admission already counted it), or ``slot``,
+        one of the chunked request's :attr:`reserved` slots."""
+        if slot is not None:
+            self.reserved.remove(slot)
+        elif not self._free:
             raise RuntimeError("no free KV slot (admission and placement disagree)")
-        seq.slot = len(self.running)
+        else:
+            slot = heapq.heappop(self._free)
+        seq.slot = slot
         self.running.append(seq)
-        return seq.slot
+        return slot
 
-    def release(self, seq: S) -> SlotMove | None:
-        """Free a sequence's slot, keeping slots dense; returns the KV move to apply, if any.
-
-        Release several sequences in descending slot order, so a move never picks a sequence
-        that is about to be released too.
-        """
-        slot = seq.slot
-        if not (0 <= slot < len(self.running) and self.running[slot] is seq):
-            raise RuntimeError(f"sequence is not running in slot {slot}")
-        last = self.running.pop()
+    def release(self, seq: S) -> None:
+        """Free a sequence's slot; the others stay where they are."""
+        if seq.slot < 0 or seq not in self.running:
+            raise RuntimeError(f"sequence is not running in slot {seq.slot}")
+        self.running.remove(seq)
+        heapq.heappush(self._free, seq.slot)
         seq.slot = -1
-        if last is seq:
-            return None
-        self.running[slot] = last
-        last.slot = slot
-        return SlotMove(src=len(self.running), dst=slot)

@@ -11,9 +11,8 @@ the sampler (``sampler.py``) picks the tokens. Commands and steps add to one
 Chunked prefill: a step computes at most ``max_num_batched_tokens`` tokens, the running
 sequences' decode rows first; what is left goes to the chunk of the one prompt being prefilled
 in chunks, then to whole waiting prompts that fit. A prompt longer than what is left is prefilled
-in chunks over the next steps, into a staging slot past the running ones (so every decode step
-still reads slots ``0..B-1`` as one view), and copied into its running slot when its last chunk
-has run; the streams already running keep their pace meanwhile.
+in chunks over the next steps, into the slot it will run in (reserved meanwhile); the streams already
+running keep their pace meanwhile.
 
 A step reads as nano-vllm's: schedule (admit) → run the model (prefill, decode) → sample →
 route the outputs (finish reasons, retire). The P/D KV hand-off is hooks at those seams
@@ -90,9 +89,8 @@ class StepLoop:
         self.max_batched_tokens = info.max_num_batched_tokens
         self.primary_eos = info.eos_token_ids[0] if info.eos_token_ids else None
         self.eos_ids = frozenset(info.eos_token_ids)
-        # One slot per running sequence, and the staging slot of the prompt being prefilled in chunks.
-        self.cache = KVCache(model.cfg, info.max_num_seqs + 1, info.max_model_len, model.dtype)
-        self.staging_slot = info.max_num_seqs
+        # One slot per running sequence (a prompt prefilled in chunks runs into its reserved slot).
+        self.cache = KVCache(model.cfg, info.max_num_seqs, info.max_model_len, model.dtype)
         self.scheduler: Scheduler[ScheduledRequest, ScheduledSequence] = Scheduler(info.max_num_seqs)
         self.chunked: ChunkedPrefill | None = None
         self.requests: dict[str, ScheduledRequest] = {}
@@ -155,7 +153,7 @@ class StepLoop:
         for rid in matching(request_ids, list(self.requests)):
             req = self.requests[rid]
             self.scheduler.remove_waiting(rid)
-            for seq in sorted((s for s in req.sequences if s.live), key=lambda s: -s.slot):
+            for seq in [s for s in req.sequences if s.live]:
                 self._emit(EngineOutput(request_id=rid, index=seq.index, finish_reason="abort", abort_cause=cause))
                 self._retire(seq)
 
@@ -207,7 +205,7 @@ class StepLoop:
             req = self.scheduler.start_chunked()
             if req is not None:
                 req.scheduled_at = time.monotonic()
-                self.chunked = ChunkedPrefill(req, computed=self._load_prefix(req, self.staging_slot))
+                self.chunked = ChunkedPrefill(req, computed=self._load_prefix(req, self.scheduler.reserved[0]))
                 chunk = budget
         self._decode(chunk)
 
@@ -244,9 +242,7 @@ class StepLoop:
         """Place the admitted requests' sequences, then compute their prompts in one pass, each past its cached
         prefix (pulled ones load theirs)."""
         computed: list[tuple[ScheduledRequest, list[ScheduledSequence], int]] = []
-        # Pulled legs first: the sequences whose prompts are computed get their first token from the prefill
-        # and take the last slots, so that this step's decode pass (slots 0..B-1) leaves them out.
-        for req in sorted(admitted, key=lambda r: not self.kv.pulled(r)):
+        for req in admitted:
             req.scheduled_at = time.monotonic()
             live = [s for s in req.sequences if s.live]  # stop_sequence may have dropped some while waiting
             for seq in live:
@@ -257,8 +253,8 @@ class StepLoop:
             self._compute_prompts(computed)
 
     def _after_chunk(self, hidden: torch.Tensor, size: int) -> None:
-        """The next ``size`` positions of the prompt being prefilled in chunks ran (``hidden``, into the
-        staging slot); after its last chunk the request is placed and samples its first tokens."""
+        """The next ``size`` positions of the prompt being prefilled in chunks ran (``hidden``, into its first
+        reserved slot); after its last chunk the request is placed and samples its first tokens."""
         chunk = self.chunked
         assert chunk is not None
         req, start = chunk.request, chunk.computed
@@ -269,13 +265,17 @@ class StepLoop:
         if chunk.remaining:
             return
         self.chunked = None
-        self.scheduler.unreserve()
-        self._keep_prefix(req, self.staging_slot)
+        computed_in = self.scheduler.reserved[0]
+        self._keep_prefix(req, computed_in)
         live = [s for s in req.sequences if s.live]
-        for seq in live:
-            self.scheduler.place(seq)
-            self.cache.copy_slot(self.staging_slot, seq.slot, req.prompt_len)
+        # The first live sequence runs in the slot the chunks ran into; its siblings get copies.
+        for seq, slot in zip(live, self.scheduler.reserved[: len(live)], strict=False):
+            self.scheduler.place(seq, slot)
+            if slot != computed_in:
+                self.cache.copy_slot(computed_in, slot, req.prompt_len)
             seq.num_cached = req.prompt_len
+            seq.prefilled_in_step = self._steps
+        self.scheduler.unreserve()  # the slots of siblings stopped while it ran
         logits = self.model.logits(hidden[-1:])
         prompt_logprobs = {req: chunk.prompt_logprobs} if req.sampling.prompt_logprobs is not None else {}
         self._sample_and_emit(live, logits.expand(len(live), -1), prompt_logprobs)
@@ -311,23 +311,23 @@ class StepLoop:
         """One decode row per running sequence and, when ``chunk``, the next ``chunk`` positions of the prompt
         being prefilled in chunks: one pass through the weights for both (:meth:`LlamaForCausalLM.step`).
 
-        Sequences whose prefill sampled their first token in this step (the last slots) decode from the next
-        step: their first token goes out at the end of this one without waiting for a decode pass."""
-        running = list(self.scheduler.running)
-        while running and running[-1].prefilled_in_step == self._steps:
-            running.pop()
+        Sequences whose prefill sampled their first token in this step decode from the next step: their first
+        token goes out at the end of this one without waiting for a decode pass. The rows go in slot order, so
+        that runs of consecutive slots are attended as views of the cache."""
+        running = sorted((s for s in self.scheduler.running if s.prefilled_in_step != self._steps), key=lambda s: s.slot)
         if not running and not chunk:
             return
         # A pulled decode leg has no output yet: its first step runs the last prompt token.
         tokens = torch.tensor([s.output[-1] if s.output else s.request.prompt[-1] for s in running], dtype=torch.long)
         positions = torch.tensor([s.num_cached for s in running], dtype=torch.long)
+        slots = torch.tensor([s.slot for s in running], dtype=torch.long)
         prompt_chunk = None
         if chunk:
             assert self.chunked is not None
             start = self.chunked.computed
             ids = torch.tensor(self.chunked.request.prompt[start : start + chunk], dtype=torch.long)
-            prompt_chunk = PromptChunk(ids, start, self.staging_slot)
-        hidden, chunk_hidden = self.model.step(tokens, positions, prompt_chunk, self.cache)
+            prompt_chunk = PromptChunk(ids, start, self.scheduler.reserved[0])
+        hidden, chunk_hidden = self.model.step(tokens, positions, slots, prompt_chunk, self.cache)
         for seq in running:
             seq.num_cached += 1
         self.kv.after_decode(running)
@@ -372,7 +372,7 @@ class StepLoop:
             )
             if finish is not None:
                 finished.append(seq)
-        for seq in sorted(finished, key=lambda s: -s.slot):
+        for seq in finished:
             self._retire(seq)
 
     def _finish_reason(self, seq: ScheduledSequence, token: int) -> tuple[str | None, int | None]:
@@ -415,10 +415,7 @@ class StepLoop:
                 req = seq.request
                 keys = block_hashes(req.prompt + seq.output, self.prefix_cache.block_size, req.cache_salt, req.prefix_keys)
                 self.prefix_cache.store(keys, self.cache, seq.slot, seq.num_cached)
-            move = self.scheduler.release(seq)
-            if move is not None:
-                moved = self.scheduler.running[move.dst]
-                self.cache.copy_slot(move.src, move.dst, moved.num_cached)
+            self.scheduler.release(seq)
         self._finish_request_if_done(seq.request)
 
     def _finish_request_if_done(self, req: ScheduledRequest) -> None:

@@ -118,8 +118,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class KVCache:
     """Preallocated keys/values: ``[2, layers, slots, kv_heads, max_len, head_dim]``.
 
-    One slot per running sequence; slot ``i`` is row ``i`` of the decode batch, so decode
-    attention reads ``cache[:, :, :B, :, :L]`` as a view, without gathering. The memory is
+    One slot per running sequence, kept from its placement to its release; decode attention reads
+    each run of consecutive slots ``cache[:, :, a:b, :, :L]`` as a view, without gathering. The memory is
     an anonymous mapping: pages are committed only when written, so a long
     ``max_model_len`` costs address space, not RAM, and never-written keys read as 0.0
     (finite, so masked padding contributes exact zeros). Huge pages are turned off for it:
@@ -209,10 +209,12 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class AttentionGroup:
-    """Rows ``[start, end)`` of a decode batch attended in one SDPA call over ``span`` keys, under ``mask``."""
+    """Rows ``[start, end)`` of a decode batch, in slots from ``first_slot`` on, attended in one SDPA call over
+    ``span`` keys, under ``mask``."""
 
     start: int
     end: int
+    first_slot: int
     span: int
     mask: torch.Tensor
 
@@ -383,9 +385,10 @@ class LlamaForCausalLM:
 
     @torch.inference_mode()
     def step(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, chunk: PromptChunk | None, cache: KVCache
+        self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, chunk: PromptChunk | None,
+        cache: KVCache,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One engine step: a decode row for each of slots ``0..B-1`` (:meth:`decode`) and, with ``chunk``,
+        """One engine step: a decode row for each of ``slots`` (:meth:`decode`) and, with ``chunk``,
         the next chunk of a prompt prefilled in chunks, in one pass through the weights: every linear runs
         over the decode rows and the chunk's rows together, attention apart. Returns the decode rows' and the
         chunk's final hidden states.
@@ -398,14 +401,15 @@ class LlamaForCausalLM:
         """
         rows = token_ids.shape[0]
         if chunk is None:
-            return self.decode(token_ids, positions, cache), None
+            return self.decode(token_ids, positions, cache, slots), None
         if rows > DECODE_MICROBATCH:  # a batch that takes several passes anyway: the chunk in one more
-            return self.decode(token_ids, positions, cache), self.step(token_ids[:0], positions[:0], chunk, cache)[1]
+            rest = self.step(token_ids[:0], positions[:0], slots[:0], chunk, cache)[1]
+            return self.decode(token_ids, positions, cache, slots), rest
         cfg, size = self.cfg, chunk.ids.shape[0]
         chunk_positions = torch.arange(chunk.start, chunk.start + size)
         all_positions = torch.cat([positions, chunk_positions])
-        flat_rows = cache.flat_rows(torch.cat([torch.arange(rows), torch.full((size,), chunk.slot)]), all_positions)
-        groups = self._decode_groups(positions, cache) if rows else []
+        flat_rows = cache.flat_rows(torch.cat([slots, torch.full((size,), chunk.slot)]), all_positions)
+        groups = self._decode_groups(positions, slots, cache) if rows else []
         causal_own_rows = chunk.start == 0 and not self.batch_invariant  # as prefill_batch computes a prompt
         chunk_mask = None if causal_own_rows else self._chunk_mask(chunk_positions, cache.max_len)
         cos, sin = self._rope_tables(all_positions)
@@ -418,7 +422,7 @@ class LlamaForCausalLM:
             else:
                 attn = self._cached_attention(cache, i, chunk.slot, heads[rows:, : cfg.num_heads], chunk_mask)
             if rows:
-                attn = torch.cat([self._decode_attention(cache, i, 0, heads[:rows], groups), attn])
+                attn = torch.cat([self._decode_attention(cache, i, heads[:rows], groups), attn])
             x = x + layer.o(attn)
             x = self._mlp(layer, x)
         hidden = self._rms_norm(x, self.norm)
@@ -466,37 +470,39 @@ class LlamaForCausalLM:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @torch.inference_mode()
-    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One token for each of slots ``0..B-1`` at ``positions``; returns final hidden states ``[B, hidden]``."""
+    def decode(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One token for each of ``slots`` (default ``0..B-1``) at ``positions``; returns final hidden states
+        ``[B, hidden]``."""
+        slots = torch.arange(token_ids.shape[0]) if slots is None else slots
         outs = [
-            self._decode_rows(
-                token_ids[start : start + DECODE_MICROBATCH], positions[start : start + DECODE_MICROBATCH], start, cache
-            )
-            for start in range(0, token_ids.shape[0], DECODE_MICROBATCH)
+            self._decode_rows(token_ids[rows], positions[rows], slots[rows], cache)
+            for rows in (slice(start, start + DECODE_MICROBATCH) for start in range(0, token_ids.shape[0], DECODE_MICROBATCH))
         ]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _decode_rows(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, first_slot: int, cache: KVCache
+        self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
         cfg = self.cfg
-        b = token_ids.shape[0]
-        groups = self._decode_groups(positions, cache)
-        flat_rows = cache.flat_rows(torch.arange(first_slot, first_slot + b), positions)
+        groups = self._decode_groups(positions, slots, cache)
+        flat_rows = cache.flat_rows(slots, positions)
         cos, sin = self._rope_tables(positions)
         x = F.embedding(token_ids, self.embed)
         for i, layer in enumerate(self.layers):
             heads = self._project(layer, x, cos, sin)
             cache.store(i, flat_rows, heads[:, cfg.num_heads :])
-            x = x + layer.o(self._decode_attention(cache, i, first_slot, heads, groups))
+            x = x + layer.o(self._decode_attention(cache, i, heads, groups))
             x = self._mlp(layer, x)
         return self._rms_norm(x, self.norm)
 
     @staticmethod
-    def _decode_groups(positions: torch.Tensor, cache: KVCache) -> list[AttentionGroup]:
-        """A decode batch's attention calls: runs of consecutive rows, each padded to its longest row's span.
+    def _decode_groups(positions: torch.Tensor, slots: torch.Tensor, cache: KVCache) -> list[AttentionGroup]:
+        """A decode batch's attention calls: runs of rows in consecutive slots, each a view of the cache padded
+        to its longest row's span.
 
-        One call over the whole batch pads every row's keys to the longest; a row far shorter than its
+        Rows in slots apart are attended apart. One call over such a run pads every row's keys to the longest; a row far shorter than its
         neighbours starts a run of its own when the padding it would add (or make the run add) exceeds
         :data:`SPLIT_KEY_ROWS` (greedily, and one call wherever that costs less). Rows of equal lengths stay
         one call; eight sequences, one of 1,024 positions and seven of 256, attend in half the time of one
@@ -505,32 +511,35 @@ class LlamaForCausalLM:
         """
         spans = [min(-(-(p + 1) // ATTENTION_SPAN_ALIGN) * ATTENTION_SPAN_ALIGN, cache.max_len)
                  for p in positions.tolist()]
+        slot_of = slots.tolist()
         runs: list[tuple[int, int, int]] = []  # (first row, end row, span)
         first, span = 0, spans[0]
         for row in range(1, len(spans)):
             rows, own = row - first, spans[row]
-            if (rows + 1) * max(span, own) <= rows * span + own + SPLIT_KEY_ROWS:
+            adjacent = slot_of[row] == slot_of[row - 1] + 1
+            if adjacent and (rows + 1) * max(span, own) <= rows * span + own + SPLIT_KEY_ROWS:
                 span = max(span, own)
             else:
                 runs.append((first, row, span))
                 first, span = row, own
         runs.append((first, len(spans), span))
         longest = max(spans)
-        if sum((end - start) * span for start, end, span in runs) + SPLIT_KEY_ROWS * (len(runs) - 1) > len(spans) * longest:
+        packed = slot_of == list(range(slot_of[0], slot_of[0] + len(slot_of)))
+        if packed and sum((end - start) * span for start, end, span in runs) + SPLIT_KEY_ROWS * (len(runs) - 1) > len(spans) * longest:
             runs = [(0, len(spans), longest)]  # the greedy split can lose to one call: never worse than that
         return [
-            AttentionGroup(start, end, span, torch.zeros(end - start, 1, 1, span).masked_fill_(
+            AttentionGroup(start, end, slot_of[start], span, torch.zeros(end - start, 1, 1, span).masked_fill_(
                 (torch.arange(span)[None, :] > positions[start:end, None])[:, None, None, :], float("-inf")))
             for start, end, span in runs
         ]
 
     def _decode_attention(
-        self, cache: KVCache, layer: int, first_slot: int, heads: torch.Tensor, groups: Sequence[AttentionGroup]
+        self, cache: KVCache, layer: int, heads: torch.Tensor, groups: Sequence[AttentionGroup]
     ) -> torch.Tensor:
-        """Attention of decode rows (their ``heads``, slots from ``first_slot``) over their cached keys."""
+        """Attention of decode rows (their ``heads``) over their cached keys, a call per run of slots."""
         outs = []
         for group in groups:
-            slots = slice(first_slot + group.start, first_slot + group.end)
+            slots = slice(group.first_slot, group.first_slot + group.end - group.start)
             # SDPA's flash kernel reads the strided cache views in place; a bfloat16 torch.matmul
             # copied both (oneDNN takes only contiguous batches), a third of a batch-8 step.
             outs.append(F.scaled_dot_product_attention(

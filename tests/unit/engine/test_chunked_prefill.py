@@ -115,7 +115,7 @@ def test_a_request_ended_mid_prompt_leaves_nothing_behind(tiny, how) -> None:  #
         steps.stop_sequence("long", 0)
         steps.stop_sequence("long", 1)
         assert steps.take_outputs().finished == ["long"]
-    assert steps.chunked is None and steps.scheduler.reserved == 0 and not steps.has_work()
+    assert steps.chunked is None and steps.scheduler.reserved == [] and not steps.has_work()
     # The engine is whole: a request that needs every slot runs and answers as on a fresh engine.
     wide = request("wide", list(range(3000, 3200)), max_tokens=3, n=MAX_NUM_SEQS, temperature=0.8, seed=1)
     assert run(steps, [wide]) == run(loop_with(tiny, 8), [wide])

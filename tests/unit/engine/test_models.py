@@ -156,6 +156,12 @@ class _DecodeBatches:
         self.cache.data.copy_(self.snapshot)
         return self.model.logits(self.model.decode(self.tokens[:rows], self.lengths[:rows], self.cache))
 
+    def scattered(self, slots: list[int]) -> torch.Tensor:
+        """Logits of the sequences of ``slots`` (in order, gaps between them) decoded together where they are."""
+        self.cache.data.copy_(self.snapshot)
+        index = torch.tensor(slots)
+        return self.model.logits(self.model.decode(self.tokens[index], self.lengths[index], self.cache, index))
+
     def alone(self, slot: int) -> torch.Tensor:
         """Logits of the sequence of ``slot`` decoded on its own (moved to slot 0, as the engine would)."""
         self.cache.data.copy_(self.snapshot)
@@ -176,6 +182,11 @@ def test_batch_invariant_decode_rows_are_identical_alone_and_in_any_batch(
         together = runs.batch(rows)
         for slot in range(rows):
             assert torch.equal(together[slot], alone[slot]), f"slot {slot} in a batch of {rows}"
+    # Sequences that stay in their slots while others come and go: runs of slots with gaps between them.
+    for slots in ([1, 2, 3, 7, 8, 20], [0, 5], list(range(3, 70, 2)), [*range(10, 30), *range(40, 72)]):
+        together = runs.scattered(slots)
+        for row, slot in enumerate(slots):
+            assert torch.equal(together[row], alone[slot]), f"slot {slot} among {slots}"
 
 
 @pytest.mark.parametrize("cls", [LlamaForCausalLM, Qwen3ForCausalLM])
@@ -199,7 +210,7 @@ def test_decode_attention_runs_cover_the_batch_and_split_only_to_save_padding(le
     """The runs partition the rows in order, each row's keys fit its run's span, and a split is never
     costlier, in padded key rows plus SPLIT_KEY_ROWS per extra call, than one call over the whole batch."""
     cache = _long_cache()
-    groups = LlamaForCausalLM._decode_groups(torch.tensor(lengths) - 1, cache)
+    groups = LlamaForCausalLM._decode_groups(torch.tensor(lengths) - 1, torch.arange(len(lengths)), cache)
     assert [g.start for g in groups] == [0] + [g.end for g in groups[:-1]] and groups[-1].end == len(lengths)
     for g in groups:
         assert g.span % ATTENTION_SPAN_ALIGN == 0 or g.span == cache.max_len
@@ -215,7 +226,7 @@ def test_decode_attention_runs_cover_the_batch_and_split_only_to_save_padding(le
 
 
 def test_one_long_sequence_among_short_ones_attends_apart() -> None:
-    groups = LlamaForCausalLM._decode_groups(torch.tensor([255, 255, 1023, 255, 255, 255]), _long_cache())
+    groups = LlamaForCausalLM._decode_groups(torch.tensor([255, 255, 1023, 255, 255, 255]), torch.arange(6), _long_cache())
     assert [(g.start, g.end, g.span) for g in groups] == [(0, 2, 256), (2, 3, 1024), (3, 6, 256)]
 
 
@@ -360,7 +371,7 @@ def _chunked(model: LlamaForCausalLM, ids: torch.Tensor, sizes: list[int], dtype
     for size in [*sizes, ids.shape[0]]:  # the rest in one last chunk
         end = min(start + size, ids.shape[0])
         if end > start:
-            outs.append(model.step(none, none, PromptChunk(ids[start:end], start, 1), cache)[1])
+            outs.append(model.step(none, none, none, PromptChunk(ids[start:end], start, 1), cache)[1])
         start = end
     return torch.cat(outs), cache.data[:, :, 1, :, : ids.shape[0]]
 

@@ -1,11 +1,11 @@
 """Scheduler bookkeeping: FCFS admission by free slots and the step's token budget, one chunked prefill at a
-time with its slots reserved, dense slots."""
+time with its slots reserved, slots that stay put."""
 
 from dataclasses import dataclass
 
 import pytest
 
-from pdserve.engine.scheduler import Scheduler, SlotMove
+from pdserve.engine.scheduler import Scheduler
 
 
 @dataclass
@@ -45,7 +45,7 @@ def test_the_token_budget_admits_whole_prompts_in_order_and_a_longer_one_waits_f
     assert [r.request_id for r in s.admit(100, prompt_cost)] == ["x"]  # big does not fit what is left; y waits behind it
     assert s.admit(100, prompt_cost) == []
     big = s.start_chunked()
-    assert big is not None and big.request_id == "big" and s.reserved == 1 and s.free_slots == 7
+    assert big is not None and big.request_id == "big" and s.reserved == [0] and s.free_slots == 7
     assert s.start_chunked() is None  # one chunked prefill at a time
     assert [r.request_id for r in s.admit(100, prompt_cost)] == ["y"]  # the queue moves on beside it
     s.unreserve()
@@ -66,17 +66,34 @@ def test_reserved_slots_hold_back_admission() -> None:
     assert s.admit(1000, prompt_cost) == [] and s.start_chunked() is None
 
 
-def test_release_keeps_slots_dense_and_reports_the_move() -> None:
+def test_a_sequence_keeps_its_slot_and_new_ones_take_the_lowest_free() -> None:
     s: Scheduler[Req, Seq] = Scheduler(max_num_seqs=4)
     seqs = [Seq(str(i)) for i in range(4)]
     for seq in seqs:
         s.place(seq)
-    assert [q.slot for q in seqs] == [0, 1, 2, 3]
-    assert s.release(seqs[1]) == SlotMove(src=3, dst=1)
-    assert seqs[3].slot == 1 and seqs[1].slot == -1
-    assert s.running == [seqs[0], seqs[3], seqs[2]]
-    assert s.release(seqs[2]) is None  # the last slot leaves without a move
-    assert [q.slot for q in s.running] == [0, 1]
+    assert [q.slot for q in seqs] == [0, 1, 2, 3] and s.free_slots == 0
+    s.release(seqs[2])
+    s.release(seqs[0])
+    assert [q.slot for q in seqs] == [-1, 1, -1, 3]  # the others did not move
+    assert s.running == [seqs[1], seqs[3]] and s.free_slots == 2
+    late = Seq("late")
+    assert s.place(late) == 0  # the lowest free slot: the running ones stay packed
+    with pytest.raises(RuntimeError, match="not running"):
+        s.release(seqs[0])
+
+
+def test_a_chunked_request_runs_into_its_reserved_slots() -> None:
+    s: Scheduler[Req, Seq] = Scheduler(max_num_seqs=4)
+    first = Seq("first")
+    s.place(first)
+    s.add(Req("long", num_seqs=2, prompt_len=900))
+    assert s.start_chunked() is not None and s.reserved == [1, 2] and s.free_slots == 1
+    other = Seq("other")
+    assert s.place(other) == 3  # an admission beside it does not take the reserved slots
+    a, b = Seq("a"), Seq("b")
+    assert s.place(a, 1) == 1 and s.reserved == [2]
+    s.unreserve()  # its sibling was stopped meanwhile: the slot it held is free again
+    assert s.reserved == [] and s.free_slots == 1 and s.place(b) == 2
 
 
 def test_remove_waiting_and_limits() -> None:
