@@ -167,8 +167,19 @@ def _whole_or_named(fleet: Fleet, mode: str, events: list[dict[str, Any]], want:
         assert last["error"]["code"] >= 500 and "KV" in last["error"]["message"], last
         return f"an error event naming it: {last['error']['message'][:80]}…"
     assert assembled(events) == want
-    failed = sum(metric(d, "pdserve_kv_pulls_failed_total") for d in fleet.decodes) > pulls_failed
-    assert migrations(fleet, mode, "error_event") == moved_before + failed, _kv_counters(fleet, mode)
+
+    def failed_and_moved() -> tuple[bool, float]:
+        return (sum(metric(d, "pdserve_kv_pulls_failed_total") for d in fleet.decodes) > pulls_failed,
+                migrations(fleet, mode, "error_event"))
+
+    # A member's KV counters reach its /metrics with its engine's next stats report, which may come after the
+    # error event that moved the stream (a failed run read the failure 0 and the move 1, then 1 and 1): so
+    # both are read until they agree, for a few seconds, and then they must.
+    deadline = time.monotonic() + 5
+    while (counts := failed_and_moved())[1] != moved_before + counts[0] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    failed, moved = counts
+    assert moved == moved_before + failed, _kv_counters(fleet, mode)
     if not failed:
         return "the whole answer: the KV had left the prefill host before it died (TCP delivered it), nothing moved"
     return "the whole answer: the decode member failed the pull (an error event), the stream moved"
