@@ -19,6 +19,7 @@ A paged layout pays its attention cost on every decode step of every sequence; t
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -67,6 +68,7 @@ def run_kv_layout_bench(model: str = "smollm2-135m", *, dtype: str = "auto", bat
     # The paged layout whose pages an SDPA call can view: [2, layers, kv_heads, blocks, 16, head_dim].
     paged = torch.randn(2, layers, kv_heads, batch_max * blocks_per_seq * 2, BLOCK, hd).to(torch_dtype)
     rows = [_one_shape(lm, cache, paged, batch, span, repeats) for batch in batch_sizes for span in spans]
+    mixed = _mixed_lengths(lm, cache, max(spans), repeats) if batch_max >= 8 else []
     layout = KVLayout(num_layers=layers, num_kv_heads=kv_heads, head_dim=hd, block_size=BLOCK,
                       dtype=str(torch_dtype).removeprefix("torch."), itemsize=torch.empty((), dtype=torch_dtype).element_size())
     pool = KVBlockPool(layout, max_len // BLOCK, torch_dtype)
@@ -77,7 +79,7 @@ def run_kv_layout_bench(model: str = "smollm2-135m", *, dtype: str = "auto", bat
     }
     return {"date": datetime.now(UTC).strftime("%Y-%m-%d"), "machine": machine(), "model": model,
             "dtype": str(torch_dtype).removeprefix("torch."), "torch": torch.__version__, "rows": rows,
-            "copy_positions": max_len, "copies_s": copies}
+            "copy_positions": max_len, "copies_s": copies, "mixed": mixed}
 
 
 def _one_shape(lm: Any, cache: Any, paged: Any, batch: int, span: int, repeats: int) -> dict[str, Any]:
@@ -121,6 +123,32 @@ def _one_shape(lm: Any, cache: Any, paged: Any, batch: int, span: int, repeats: 
     return {"batch": batch, "span": span, "step_s": step_s, "attention_s": attention}
 
 
+def _mixed_lengths(lm: Any, cache: Any, longest: int, repeats: int) -> list[dict[str, Any]]:
+    """Decode steps of 8 sequences of unequal lengths: attention in runs of similar lengths (the engine's) against
+    one call padded to the longest (the runs' threshold set out of reach)."""
+    from unittest import mock
+
+    import torch
+
+    from pdserve.engine.models import llama
+
+    short = longest // 4
+    batches = {f"one of {longest}, seven of {short}": [longest] + [short] * 7,
+               f"{longest} down to {longest // 8}": [longest * (8 - i) // 8 for i in range(8)],
+               f"eight of {longest // 2}": [longest // 2] * 8}
+    rows = []
+    for name, lengths in batches.items():
+        step = functools.partial(lm.decode, torch.zeros(len(lengths), dtype=torch.long), torch.tensor(lengths) - 1,
+                                 cache)
+        samples: dict[str, list[float]] = {"runs_s": [], "one_call_s": []}
+        for _ in range(repeats):  # interleaved, so that drift on a shared machine hits both alike
+            samples["runs_s"].append(_timed(step, 1))
+            with mock.patch.object(llama, "SPLIT_KEY_ROWS", 1 << 40):
+                samples["one_call_s"].append(_timed(step, 1))
+        rows.append({"batch": name, **{key: statistics.median(values) for key, values in samples.items()}})
+    return rows
+
+
 def docs_section(results: dict[str, Any]) -> str:
     ms = 1000.0
     lines = [
@@ -143,6 +171,12 @@ def docs_section(results: dict[str, Any]) -> str:
 
         lines.append(f"| {row['batch']} | {row['span']} | {step * ms:.1f} ms | {base * ms:.2f} ms | "
                      f"{extra('pages gathered')} | {extra('pages per sequence')} |")
+    if results["mixed"]:
+        lines += ["", "Decode steps of sequences of unequal lengths: attention in runs of similar lengths, as the engine "
+                  "runs it, against one SDPA call padded to the longest.", "",
+                  "| batch | decode step: runs | one padded call |", "| --- | --- | --- |"]
+        lines += [f"| {row['batch']} | {row['runs_s'] * ms:.1f} ms | {row['one_call_s'] * ms:.1f} ms |"
+                  for row in results["mixed"]]
     copies, positions = results["copies_s"], results["copy_positions"]
     lines += [
         "",

@@ -20,4 +20,9 @@ def test_the_bench_measures_every_shape_and_writes_its_section(tmp_path: Path) -
         cells = line.strip("| ").split(" | ")
         assert all(cell.split(" ms")[0].replace(".", "").isdigit() for cell in cells[2:])
         assert all("% of the step)" in cell for cell in cells[4:])
+    mixed = [line for line in text.splitlines() if line.startswith(("| one of", "| 1024 down", "| eight of"))]
+    assert [line.split(" | ")[0] for line in mixed] == ["| one of 1024, seven of 256", "| 1024 down to 128",
+                                                       "| eight of 512"]
+    for line in mixed:  # the engine's runs and one padded call, both measured
+        assert all(cell.removesuffix(" ms").replace(".", "").isdigit() for cell in line.strip("| ").split(" | ")[1:])
     assert "1024-position prompt's KV saved into blocks" in text
