@@ -1,5 +1,6 @@
 """``pdserve up``: a whole local topology (qwen3-tiny, reasoning and tool parsers) driven with the openai SDK,
-against a plain coupled ``pdserve serve qwen3-tiny`` with the same parsers. Destructive tests run last."""
+against a plain coupled ``pdserve serve qwen3-tiny`` with the same parsers, its traces going to a small OTLP/HTTP
+receiver (tests/otlp.py). Destructive tests run last."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from pdserve.proxy.flow import decode_modes
 from pdserve.proxy.preflight import PROBE_TOKEN_IDS
+from tests.otlp import Receiver, tree
 from tests.serverproc import ServerProcess
 from tests.upproc import Up, alive, start_up
 from tests.waiting import wait_until
@@ -31,12 +33,21 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 # (tests/e2e/test_kv_handoff.py's docstring); in float32 they agree.
 EXACT = ("--dtype=float32",)
 @pytest.fixture(scope="module")
-def up() -> Iterator[tuple[Up, str, ServerProcess]]:
+def receiver() -> Iterator[Receiver]:
+    with Receiver() as spans:
+        yield spans
+
+
+@pytest.fixture(scope="module")
+def up(receiver: Receiver) -> Iterator[tuple[Up, str, ServerProcess]]:
     coupled = ServerProcess("serve", MODEL, *PARSERS, *EXACT)
     topology: Up | None = None
     try:
         coupled.spawn()  # loads while the topology starts
-        topology, base_url = start_up(MODEL, "--port", "0", *PARSERS, *EXACT)
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # the SDK's batch delay, 5 s by default
+            topology, base_url = start_up(MODEL, "--port", "0", *PARSERS, *EXACT,
+                                          "--otlp-traces-endpoint", receiver.url)
         coupled.wait_healthy(120)
         yield topology, base_url, coupled
     finally:
@@ -116,6 +127,32 @@ def test_metrics_show_the_prefill_ran_the_prompts_and_the_decode_pulled_them(up:
     probes = len(PROBE_TOKEN_IDS) * len(decode_modes("inline"))
     assert metric(decode, "pdserve_engine_prompt_tokens_computed_total") == probes
     assert metric(decode, "pdserve_kv_recomputes_total") == 0 and metric(decode, "pdserve_kv_pulls_failed_total") == 0
+
+
+def test_traces_of_one_request_come_from_every_process_up_started(
+    up: tuple[Up, str, ServerProcess], receiver: Receiver
+) -> None:
+    """``up --otlp-traces-endpoint`` hands the flag to each process it starts: one chat is one trace with the
+    proxy's, the render's, the prefill's and the decode's spans, each member's under the proxy's leg."""
+    topology, base_url, _ = up
+    r = httpx.post(base_url + "/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4},
+                   headers={"x-request-id": "up-trace"}, timeout=60)
+    assert r.status_code == 200, r.text
+    (root,) = wait_until(lambda: receiver.find(lambda s: s.service == "pdserve-proxy" and s.kind == "server"
+                                               and s.attributes.get("gen_ai.request.id") == "up-trace"),
+                         "the proxy's span of the request", bound_s=30)
+    services = {"pdserve-proxy", "pdserve-render", "pdserve-prefill", "pdserve-decode"}
+    spans = receiver.wait_for_trace(root.trace_id, lambda got: {s.service for s in got} == services
+                                    and any(s.name == "decode" and s.service == "pdserve-decode" for s in got))
+    by_id = {s.span_id: s for s in spans}
+    assert [s for s in spans if s.parent_id not in by_id] == [root], tree(spans)
+    members = topology.members
+    for leg, member, service in (("render", "render", "pdserve-render"), ("prefill", "prefill-0", "pdserve-prefill"),
+                                 ("decode", "decode-0", "pdserve-decode")):
+        (leg_span,) = [s for s in spans if s.parent_id == root.span_id and s.name == leg]
+        assert leg_span.attributes["pdserve.member"] == members[member][0]
+        (server,) = [s for s in spans if s.parent_id == leg_span.span_id]
+        assert server.service == service and server.kind == "server", tree(spans)
 
 
 def test_a_member_that_dies_is_reported_and_the_proxy_stops_routing_to_it(up: tuple[Up, str, ServerProcess]) -> None:
