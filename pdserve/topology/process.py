@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,11 +32,39 @@ class ServerFailed(RuntimeError):
     """A server exited while starting, or did not become healthy in time (the message has its log tail)."""
 
 
+# Where free_port looks: from here up to the kernel's ephemeral range.
+FREE_PORT_FLOOR = 15000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out by itself (``net.ipv4.ip_local_port_range``; 32768 by default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A loopback port free right now (another process may take it before the child binds it)."""
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
+    """A loopback port free right now, below the kernel's ephemeral range, and not handed out before by this
+    process. The kernel takes the local ports of outgoing connections and of binds to port 0 from that range
+    by itself, so a port picked there (as a bind to port 0 picks) could be taken by any connection before the
+    child binds it: a vLLM server's NIXL side channel, given such a port, found it in use and hung at start.
+    Below the range only another explicit bind can take it."""
+    ceiling = _ephemeral_floor()
+    for _ in range(200):
+        port = random.randrange(FREE_PORT_FLOOR, ceiling) if ceiling > FREE_PORT_FLOOR + 1000 else 0
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            port = int(s.getsockname()[1])
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port between {FREE_PORT_FLOOR} and {ceiling}")
 
 
 class ServerProcess:
