@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
+
 from pdserve.checkpoints.builtin import build_qwen3_tiny
 from tests.serverproc import ServerProcess
 
@@ -78,3 +80,24 @@ def pdserve(model_dir: Path, *args: str) -> ServerProcess:
         *args,
         startup_timeout=600.0,
     )
+
+
+def engine_core_beside_its_worker(server: ServerProcess) -> None:
+    """Move the vLLM engine core of ``server`` (``--engine vllm``) onto its worker's CPUs.
+
+    Why: vLLM binds its worker's OpenMP threads to all CPUs but the one it reserves for the engine core, and
+    both processes busy-poll while a request runs. On a 2-CPU machine nothing is left for the frontend and the
+    kernel's loopback work: measured here, one stream's chunks then stopped for up to 7 s and a TCP connect to
+    the server waited as long (SYNs retried at 1, 3 and 7 s), in about half the streams. With the engine core
+    on the worker's CPU, 4 streams of 4 ran steadily (a 2,035-token stream 8.5 s instead of 7.6). This is
+    reference/vllm-peer.md's advice (pin the engine core and worker to one core), applied to the one server
+    whose test races a running stream (the conformance kit's abort).
+    """
+    assert server.proc is not None
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    workers = [p for p in children if p.name().startswith("VLLM::Worker")]
+    assert workers, f"no vLLM worker under pid {server.proc.pid}: {[p.name() for p in children]}"
+    cpus = set(workers[0].cpu_affinity())
+    for core in (p for p in children if p.name().startswith("VLLM::EngineCore")):
+        for thread in core.threads():
+            os.sched_setaffinity(thread.id, cpus)

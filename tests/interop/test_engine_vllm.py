@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.interop.peers import MODEL_NAME, PARSER_ARGS, VllmPeer, pdserve
+from tests.interop.peers import MODEL_NAME, PARSER_ARGS, VllmPeer, engine_core_beside_its_worker, pdserve
 from tests.interop.test_peer import CHATS
 from tests.serverproc import ServerProcess
 from tests.sse import stream_post
@@ -22,6 +22,7 @@ from tests.sse import stream_post
 @pytest.fixture(scope="module")
 def on_vllm(model_dir: Path) -> Iterator[ServerProcess]:
     with pdserve(model_dir, "--engine", "vllm", *PARSER_ARGS) as srv:
+        engine_core_beside_its_worker(srv)
         yield srv
 
 

@@ -1,6 +1,6 @@
-"""The vLLM runner keeps the Engine contract when vLLM loses an abort: vLLM 0.32 sometimes runs an aborted
-request on to its length (the conformance kit's abort.stream failed on it now and then), so the runner ends
-an aborted request's stream itself at vLLM's next output. vLLM's AsyncLLM is replaced by one that ignores
+"""The vLLM runner keeps the Engine contract when vLLM takes an abort late: vLLM 0.32's engine core can run an
+aborted request on for seconds (docs/compatibility.md, abort.stream), so the runner ends an aborted request's
+stream itself at vLLM's next output. vLLM's AsyncLLM is replaced by one that ignores
 every abort; the sampling params are vLLM's own."""
 
 from __future__ import annotations

@@ -334,9 +334,10 @@ class VllmEngine:
             )
             async for out in _vllm_outputs(stream):
                 if live.abort_cause is not None:
-                    # Aborted: end the stream here whatever vLLM does next. vLLM 0.32 sometimes loses an abort
-                    # and runs the request on to its length (conformance kit, abort.stream); the finally
-                    # below aborts it in vLLM once more.
+                    # Aborted: end the stream here whatever vLLM does next. vLLM's engine core can take the
+                    # abort seconds late (on a 2-CPU box its busy-polling processes hold its inputs and
+                    # outputs back: docs/compatibility.md, abort.stream) and meanwhile run the request on;
+                    # the finally below aborts it in vLLM once more.
                     break
                 for seq in out.outputs:
                     if seq.index in stopped:
