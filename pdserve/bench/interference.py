@@ -122,8 +122,10 @@ def docs_section(results: dict[str, Any]) -> str:
         *rows,
         "",
         "* A step with a chunk runs the decode rows and the chunk's rows through the weights in one pass; the "
-        "chunk's attention reads every cached key of the prompt so far, so late chunks of a long prompt cost more "
-        "than early ones, and a smaller budget trades the prompt's TTFT for the streams' pace.",
+        "chunk's attention reads every cached key of the prompt so far, so while streams decode a chunk gets no "
+        "more rows than keep that under the budget times 1,024 key rows (`CHUNK_ATTENTION_SPAN`), down to 128 "
+        "rows (`CHUNK_MIN_ROWS`): late chunks of a long prompt are smaller than early ones at large budgets, and "
+        "a smaller budget trades the prompt's TTFT for the streams' pace (docs/engine.md, chunked prefill).",
         f"* {results['torch_threads']} torch threads; the machine is shared and noisy: compare rows of one run.",
         "",
         "```",

@@ -24,6 +24,7 @@ token, as vLLM's decode side does.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Iterable, Mapping
@@ -53,6 +54,21 @@ from pdserve.protocol.engine import (
 
 # Rows of prompt logits materialised at once for prompt_logprobs.
 PROMPT_LOGPROBS_CHUNK = 256
+# While sequences decode, a prompt chunk's attention reads at most ``max_num_batched_tokens`` times this many key
+# rows (rows times the keys each reads): as if each token of a full budget attended this many positions...
+CHUNK_ATTENTION_SPAN = 1024
+# ... but a chunk is not cut below this many rows: a step has a fixed cost (the weights pass, the decode rows;
+# and SDPA's CPU kernel takes as long for 4 query rows over 4k keys as for 16), so smaller cuts only add steps
+# to the prompt's TTFT without shortening the streams' gaps much (pdserve bench interference, docs/engine.md).
+CHUNK_MIN_ROWS = 128
+
+
+def chunk_rows_within(computed: int, key_rows: int) -> int:
+    """The most rows ``c`` (at least 1) of a prompt chunk after ``computed`` cached positions whose attention
+    reads at most ``key_rows`` keys in all, ``c * (computed + c)`` (each row reads the keys before it and its own
+    chunk's, rounded up to the whole chunk)."""
+    rows = (math.isqrt(computed * computed + 4 * key_rows) - computed) // 2
+    return max(1, rows)
 
 
 @dataclass(eq=False)
@@ -195,7 +211,7 @@ class StepLoop:
         self._steps += 1
         self.kv.before_step()
         budget = self.max_batched_tokens - len(self.scheduler.running)  # the running sequences' decode rows first
-        chunk = min(budget, self.chunked.remaining) if self.chunked is not None else 0
+        chunk = self._chunk_size(budget, self.chunked) if self.chunked is not None else 0
         budget -= chunk
         admitted = self.scheduler.admit(budget, self._prompt_cost)
         if admitted:
@@ -206,8 +222,20 @@ class StepLoop:
             if req is not None:
                 req.scheduled_at = time.monotonic()
                 self.chunked = ChunkedPrefill(req, computed=self._load_prefix(req, self.scheduler.reserved[0]))
-                chunk = budget
+                chunk = self._chunk_size(budget, self.chunked)
         self._decode(chunk)
+
+    def _chunk_size(self, budget: int, chunked: ChunkedPrefill) -> int:
+        """The next chunk of the prompt prefilled in chunks: what is left of the step's token budget and of the
+        prompt, and, while sequences decode beside it, no more rows (down to :data:`CHUNK_MIN_ROWS`) than keep its
+        attention within :data:`CHUNK_ATTENTION_SPAN` key rows per budget token: a late chunk of a long prompt
+        reads every key before it (without the cap, at the default budget of 2,048, the second chunk of a
+        4,096-token prompt held 8 streams for 1.5 s; with it, 0.53 s)."""
+        size = min(budget, chunked.remaining)
+        if not self.scheduler.running:
+            return size
+        key_rows = self.max_batched_tokens * CHUNK_ATTENTION_SPAN
+        return min(size, max(CHUNK_MIN_ROWS, chunk_rows_within(chunked.computed, key_rows)))
 
     def _prompt_cost(self, req: ScheduledRequest) -> int:
         """Prompt tokens a request's admission computes: none for a decode leg whose KV was pulled, those past

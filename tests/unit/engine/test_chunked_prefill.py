@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pdserve.engine.models import LlamaForCausalLM
 from pdserve.engine.runners.torch_runner import TorchSetup
-from pdserve.engine.step_loop import StepLoop
+from pdserve.engine.step_loop import CHUNK_ATTENTION_SPAN, CHUNK_MIN_ROWS, StepLoop, chunk_rows_within
 from pdserve.protocol.engine import EngineInfo, EngineOutput, EngineRequest, SequenceSampling
 
 MAX_NUM_SEQS = 4
@@ -124,3 +124,65 @@ def test_a_request_ended_mid_prompt_leaves_nothing_behind(tiny, how) -> None:  #
 def test_the_budget_must_cover_every_running_sequence() -> None:
     with pytest.raises(ValueError, match="must be at least --max-num-seqs"):
         TorchSetup.create("qwen3-tiny", max_num_seqs=8, max_num_batched_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def tiny_long() -> tuple[LlamaForCausalLM, EngineInfo]:
+    """qwen3-tiny with room for prompts past CHUNK_ATTENTION_SPAN, where the chunks' attention cap binds."""
+    setup = TorchSetup.create("qwen3-tiny", dtype="float32", max_model_len=4096, max_num_seqs=MAX_NUM_SEQS,
+                              batch_invariant=True)
+    return setup.load().model, setup.info
+
+
+def _chunks_of(steps: StepLoop, rid: str, prompt_len: int) -> tuple[list[tuple[int, int]], list[EngineOutput]]:
+    """Step until ``rid`` (a prompt of ``prompt_len``) answers: the (start, rows) of each of its chunks, and every output."""
+    chunks, outputs, done = [], [], 0  # no cached prefix here: the first chunk starts at 0
+    while not any(o.request_id == rid for o in outputs):
+        outputs += _step(steps)
+        now = steps.chunked.computed if steps.chunked is not None else prompt_len
+        chunks.append((done, now - done))
+        done = now
+    return chunks, outputs
+
+
+def test_beside_running_streams_a_chunk_reads_a_bounded_number_of_keys(tiny_long) -> None:  # type: ignore[no-untyped-def]
+    budget, prompt = 256, list(range(5000, 8000))
+    steps = loop_with(tiny_long, budget)
+    for i in range(2):
+        steps.add(request(f"stream{i}", [500 + i, 600, 700], max_tokens=3000, ignore_eos=True))
+    _step(steps)
+    steps.add(request("long", prompt, max_tokens=2, prompt_logprobs=1, temperature=0))
+    chunks, outputs = _chunks_of(steps, "long", len(prompt))
+    key_rows = budget * CHUNK_ATTENTION_SPAN
+    assert sum(rows for _, rows in chunks) == len(prompt)
+    *whole, (_, rest) = chunks  # the last chunk is what was left of the prompt
+    assert rest <= CHUNK_MIN_ROWS
+    assert all(rows <= budget - 2 and (rows == CHUNK_MIN_ROWS or rows * (start + rows) <= key_rows)
+               for start, rows in whole)
+    # Early chunks took what the streams left of the budget; late ones (their rows read ~3,000 keys) were cut,
+    # to the floor.
+    assert whole[0][1] == budget - 2 and whole[-1][1] == CHUNK_MIN_ROWS
+    # Each step decoded both streams, so they got a token per step however small the chunk.
+    tokens = [o for o in outputs if o.request_id.startswith("stream")]
+    assert len(tokens) == 2 * len(chunks)
+    # The cut chunks answer as the whole prompt prefilled at once (ids and every prompt logprob).
+    while not any(o.request_id == "long" and o.finish_reason for o in outputs):
+        outputs += _step(steps)
+    long = [msgspec.structs.replace(o, scheduled_at=None) for o in outputs if o.request_id == "long"]
+    assert long == run(loop_with(tiny_long, UNCHUNKED), [request("long", prompt, max_tokens=2, prompt_logprobs=1, temperature=0)])[("long", 0)]
+
+
+def test_alone_a_long_prompt_takes_the_whole_budget_every_chunk(tiny_long) -> None:  # type: ignore[no-untyped-def]
+    steps = loop_with(tiny_long, 512)
+    steps.add(request("long", list(range(5000, 8000)), max_tokens=1))
+    chunks, _ = _chunks_of(steps, "long", 3000)
+    assert [rows for _, rows in chunks] == [512] * (3000 // 512) + [3000 % 512]
+
+
+
+@given(computed=st.integers(0, 1 << 20), key_rows=st.integers(1, 1 << 30))
+def test_chunk_rows_within_is_the_most_rows_under_the_key_rows(computed: int, key_rows: int) -> None:
+    rows = chunk_rows_within(computed, key_rows)
+    assert rows >= 1
+    assert rows == 1 or rows * (computed + rows) <= key_rows
+    assert (rows + 1) * (computed + rows + 1) > key_rows
