@@ -50,11 +50,22 @@ from pdserve.protocol.engine import ABORT_BY_CLIENT, EngineInfo, EngineOutput, E
 # between steps only, so this must exceed the longest step: a whole 8k-token prefill on a
 # loaded 2-core machine took over 10 s (and a 10 s bound declared a healthy core dead for good).
 HEARTBEAT_TIMEOUT_S = 120.0
-# How often a client checks the core's pid.
+# How often a client checks the core's pid where it cannot wait on a pidfd for the core's exit; and how often
+# it checks its output stream and heartbeat where it can (those only need seconds).
 LIVENESS_POLL_S = 0.2
+SLOW_CHECKS_S = 1.0
 # How long an output stream may have ended before a core whose pid still runs counts as dead anyway (a
 # killed core closes its sockets just before its pid goes; the pid watch then names the exit).
 STREAM_END_GRACE_S = 1.0
+
+
+def _open_pidfd(pid: int) -> int | None:
+    """A pidfd of ``pid``, readable once it exits (Linux 5.3+); None where there is none (another OS, an
+    older kernel, a pid already gone: the poll then finds it)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -226,14 +237,34 @@ class EngineCoreClient:
                 return
 
     async def _watch(self) -> None:
-        while self._dead is None:
-            await asyncio.sleep(LIVENESS_POLL_S)
-            if not _pid_alive(self.core_pid):
-                self._die(f"engine core process {self.core_pid} exited")
-            elif self._stream_ended_at is not None and time.monotonic() - self._stream_ended_at > STREAM_END_GRACE_S:
-                self._die(f"engine core process {self.core_pid} closed its output stream")
-            elif time.monotonic() - self._last_heard > HEARTBEAT_TIMEOUT_S:
-                self._die(f"engine core process {self.core_pid} sent no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f}s")
+        """Die when the core does: on its exit (a pidfd the event loop waits on, so an idle server does not
+        wake five times a second to read /proc; polled where pidfds are missing), its output stream closed
+        for :data:`STREAM_END_GRACE_S` while its pid runs, or :data:`HEARTBEAT_TIMEOUT_S` without a heartbeat."""
+        assert self._loop is not None
+        exited = f"engine core process {self.core_pid} exited"
+        pidfd = _open_pidfd(self.core_pid)
+        if pidfd is not None:
+
+            def on_exit() -> None:  # a pidfd stays readable: read it once
+                assert self._loop is not None and pidfd is not None
+                self._loop.remove_reader(pidfd)
+                self._die(exited)
+
+            self._loop.add_reader(pidfd, on_exit)
+        try:
+            while self._dead is None:
+                await asyncio.sleep(LIVENESS_POLL_S if pidfd is None else SLOW_CHECKS_S)
+                if pidfd is None and not _pid_alive(self.core_pid):
+                    self._die(exited)
+                elif self._stream_ended_at is not None and time.monotonic() - self._stream_ended_at > STREAM_END_GRACE_S:
+                    self._die(f"engine core process {self.core_pid} closed its output stream")
+                elif time.monotonic() - self._last_heard > HEARTBEAT_TIMEOUT_S:
+                    self._die(f"engine core process {self.core_pid} sent no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f}s")
+        finally:
+            if pidfd is not None:
+                if not self._loop.is_closed():
+                    self._loop.remove_reader(pidfd)
+                os.close(pidfd)
 
     def _die(self, reason: str) -> None:
         if self._dead is not None:

@@ -21,6 +21,7 @@ from pdserve.proxy.modes import Mode
 from pdserve.proxy.pool import ADMIT_TIMEOUT_S, Admission, Member, Pool, check_pools
 from pdserve.proxy.preflight import member_refusal
 from pdserve.web.logs import configure_json_logging, serving, uvicorn_logging
+from pdserve.web.quiet_server import QuietServer
 
 if TYPE_CHECKING:  # loaded only with --otlp-traces-endpoint (it imports the OpenTelemetry SDK)
     from pdserve.proxy.tracing import ProxyTracing
@@ -59,7 +60,7 @@ def ready_banner(orch: Orchestrator, url: str) -> str:
     return "\n".join(lines)
 
 
-class _AnnouncingServer(uvicorn.Server):
+class _AnnouncingServer(QuietServer):
     """uvicorn that prints the banner once it accepts connections (after the first health check), and
     drains on the first SIGTERM/SIGINT: ``/health`` and new requests answer 503 at once, requests in flight
     get ``--shutdown-timeout`` seconds, streams still open then end with an error event naming the

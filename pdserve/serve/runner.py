@@ -46,6 +46,7 @@ from pdserve.serve.state import AppState
 from pdserve.serve.tracing import PHASE_PATHS, configure_tracing
 from pdserve.text.tokenizer import Tokenizer
 from pdserve.web.logs import configure_json_logging, serving, uvicorn_logging
+from pdserve.web.quiet_server import QuietServer
 
 logger = logging.getLogger("pdserve")
 
@@ -141,7 +142,7 @@ def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
-class _PdserveServer(uvicorn.Server):
+class _PdserveServer(QuietServer):
     """uvicorn that prints the ready banner once it accepts connections (after the app's startup), and
     shuts down gracefully: the first SIGTERM/SIGINT drains (serve.inflight.drain: 503 for anything new,
     ``--shutdown-timeout`` for what runs, then an abort naming the shutdown), a second one stops at once."""

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from pdserve.engine import core_client
 from pdserve.engine.api import EngineDeadError, EngineError
 from pdserve.engine.core import EngineCoreHandle, start_engine_core
 from pdserve.engine.core_client import EngineCoreClient
@@ -86,7 +87,15 @@ def test_two_clients_get_their_own_answers_and_either_can_abort(core: EngineCore
     asyncio.run(go())
 
 
-def test_core_death_fails_in_flight_requests_and_new_ones() -> None:
+@pytest.mark.parametrize("watch", ["pidfd", "poll"])
+def test_core_death_fails_in_flight_requests_and_new_ones(watch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pidfd``: the client waits on the core's pidfd and never reads /proc; ``poll``: where pidfds are
+    missing, it polls the pid instead."""
+    polled: list[int] = []
+    if watch == "pidfd":
+        monkeypatch.setattr(core_client, "_pid_alive", lambda pid: polled.append(pid) or True)
+    else:
+        monkeypatch.setattr(core_client, "_open_pidfd", lambda pid: None)
     handle = start_engine_core(EngineSpec(kind="torch", model="qwen3-tiny", max_model_len=4096))
     exited = f"engine core process {handle.process.pid} exited"  # the pid watch saw it, not a heartbeat timeout
 
@@ -110,6 +119,7 @@ def test_core_death_fails_in_flight_requests_and_new_ones() -> None:
         asyncio.run(go())
     finally:
         handle.shutdown()
+    assert polled == []  # with a pidfd, /proc was never read
 
 
 def test_startup_failure_reports_the_cause() -> None:
