@@ -70,10 +70,8 @@ class _AnnouncingServer(QuietServer):
         super().__init__(config)
         self._orch, self._url = orch, url
         self._shutdown_timeout_s = shutdown_timeout_s
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
         if not self.should_exit:
             print(ready_banner(self._orch, self._url), file=sys.stderr, flush=True)

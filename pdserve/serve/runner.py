@@ -151,11 +151,9 @@ class _PdserveServer(QuietServer):
         super().__init__(config)
         self._announce = announce
         self._state = state
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
         freeze_startup_heap()
         if self._announce is not None and not self.should_exit:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 
 import uvicorn
 
@@ -22,26 +23,31 @@ _TICKS_PER_SECOND = 10  # what uvicorn's on_tick counts in
 
 
 class QuietServer(uvicorn.Server):
-    """``uvicorn.Server`` with a 1 s main-loop tick that ``should_exit = True`` cuts short."""
+    """``uvicorn.Server`` with a 1 s main-loop tick that ``should_exit = True`` cuts short. ``_loop`` is the
+    loop it serves on (set at startup), for subclasses that schedule work on it from a signal handler."""
 
     def __init__(self, config: uvicorn.Config) -> None:
-        self._wake: asyncio.Event | None = None
-        self._wake_loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake = asyncio.Event()
+        self._exit = False
         super().__init__(config)
 
-    @property  # type: ignore[override]
+    @property
     def should_exit(self) -> bool:
-        return self.__dict__.get("_should_exit", False)
+        return self._exit
 
     @should_exit.setter
     def should_exit(self, value: bool) -> None:
-        self.__dict__["_should_exit"] = value
-        if value and self._wake is not None and self._wake_loop is not None and not self._wake_loop.is_closed():
+        self._exit = value
+        if value and self._loop is not None and not self._loop.is_closed():
             # Thread-safe: uvicorn sets it from its signal handler, pdserve from a drain task.
-            self._wake_loop.call_soon_threadsafe(self._wake.set)
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
 
     async def main_loop(self) -> None:
-        self._wake_loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
         counter = 0
         should_exit = await self.on_tick(counter)
         while not should_exit:

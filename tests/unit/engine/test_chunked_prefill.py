@@ -179,7 +179,6 @@ def test_alone_a_long_prompt_takes_the_whole_budget_every_chunk(tiny_long) -> No
     assert [rows for _, rows in chunks] == [512] * (3000 // 512) + [3000 % 512]
 
 
-
 @given(computed=st.integers(0, 1 << 20), key_rows=st.integers(1, 1 << 30))
 def test_chunk_rows_within_is_the_most_rows_under_the_key_rows(computed: int, key_rows: int) -> None:
     rows = chunk_rows_within(computed, key_rows)
