@@ -10,7 +10,8 @@ Batch invariance (a sequence decodes to the same tokens whatever else shares its
 needs every op to compute a row with shapes that do not depend on the other rows. Decode
 attention does: SDPA's flash kernel computes each (row, head) on its own, and keys past each
 row's length are masked, which adds exact zeros only (also across its 512-key blocks); in
-float32 that needs MKL's reproducible mode (:mod:`~pdserve.engine.models.mkl_mode`). The
+float32 that needs MKL's reproducible mode (:mod:`~pdserve.engine.models.mkl_mode`), and on an
+AVX2-only CPU whole groups of query rows and whole key blocks (:data:`INVARIANT_QUERY_ROWS`). The
 linears do only in the batch-invariant mode (``batch_invariant=True``): oneDNN chooses its
 matmul kernel by the number of rows (on CPUs with AMX, up to ~32 rows run an AVX-512 kernel
 and more rows the AMX tiles, which round differently), so by default a row's bits may change
@@ -21,6 +22,7 @@ tests/unit/engine/test_models.py checks both modes; docs/engine.md has the speed
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 from collections.abc import Mapping, Sequence
@@ -45,6 +47,13 @@ PREFILL_KEY_BLOCK = 512
 # where padding every row to the batch's longest costs more key rows than this: what one more SDPA call costs
 # in key rows (per layer: ~36 us a call against ~0.14 us a key row, SmolLM2 bf16; `pdserve bench kv-layout`).
 SPLIT_KEY_ROWS = 256
+# In the batch-invariant mode every attention call has a multiple of this many query rows per sequence
+# (zero-padded): a prompt's (or chunk's) rows are padded up to one, and each decode row is padded to this many.
+# SDPA's CPU kernel splits a call's query rows into blocks of 32, 64 or 256, the last block keeping the rest,
+# and on an AVX2-only CPU (an AMD EPYC host, 2026-12-06) the rows of a block past its last multiple of 4, a
+# decode row alone among them, round differently from the others; rows in whole groups of 4 agree whatever the
+# block's size and wherever the row sits in it (on the AVX-512 hosts every row did already).
+INVARIANT_QUERY_ROWS = 4
 # Largest decode batch computed in one pass (rows beyond run in further passes).
 DECODE_MICROBATCH = 64
 # Rows of every linear-layer kernel call in the batch-invariant mode: the default max_num_seqs,
@@ -141,6 +150,15 @@ class KVCache:
         self._rows = self.data.view(-1, cfg.head_dim)
         self._layers, self._slots, self._kv_heads = cfg.num_layers, num_slots, cfg.num_kv_heads
 
+    @property
+    def num_slots(self) -> int:
+        return self._slots
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole cache (address space: pages are committed as they are written)."""
+        return len(self._memory)
+
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of a slot (all layers) to another slot."""
         self.data[:, :, dst, :, :length] = self.data[:, :, src, :, :length]
@@ -158,6 +176,20 @@ class KVCache:
         self._rows.index_put_((flat_rows[layer],), keys_values)
 
 
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN reorders a weight of ``dtype`` on this CPU. Torch's bfloat16 path needs AVX-512 (BW, VL, DQ)
+    or AVX-NE-CONVERT: on an AVX2-only CPU (an AMD EPYC host, 2026-12-06) the reorder raises, so there the weight
+    stays as it is and ``F.linear`` computes (bfloat16 emulated: ``--dtype auto`` picks float32 on such a CPU)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 16)
+    except RuntimeError:
+        return False
+    return True
+
+
 class Linear:
     """``x @ weight.T`` with the weight reordered once into oneDNN's blocked layout.
 
@@ -167,12 +199,12 @@ class Linear:
     AVX-512 CPUs without AMX, not on CPUs with it. With ``fixed_rows=R`` every kernel call
     gets exactly R rows (zero-padded, more rows in blocks of R): one shape means one kernel
     and one reduction order for every call, so a row's result cannot depend on the rows it
-    shares a call with. Falls back to ``F.linear`` where torch was built without oneDNN
-    (padded the same way).
+    shares a call with. Falls back to ``F.linear`` (padded the same way) where oneDNN cannot pack the
+    weight's dtype (:func:`onednn_packs`).
     """
 
     def __init__(self, weight: torch.Tensor, fixed_rows: int | None = None) -> None:
-        if torch.backends.mkldnn.is_available():
+        if onednn_packs(weight.dtype):
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, fixed_rows or DECODE_MICROBATCH)
             self._packed = True
         else:
@@ -434,15 +466,25 @@ class LlamaForCausalLM:
         (:data:`PREFILL_KEY_BLOCK`), so a row meets the same kernel blocks whatever chunk it is computed in;
         else only to :data:`ATTENTION_SPAN_ALIGN` (rows past a cached prefix of 1,300 positions: 13% less
         attention than a 1,536-key span)."""
-        align = PREFILL_KEY_BLOCK if self.batch_invariant else ATTENTION_SPAN_ALIGN
-        span = min(-(-(int(positions[-1]) + 1) // align) * align, max_len)
+        span = self._key_span(int(positions[-1]), max_len)
         return (torch.arange(span)[None, :] <= positions[:, None])[None, None]
+
+    def _key_span(self, position: int, max_len: int) -> int:
+        """Keys an attention call reads for a row at ``position``: rounded up to :data:`ATTENTION_SPAN_ALIGN`, in the
+        batch-invariant mode to whole blocks of SDPA's key split (:data:`PREFILL_KEY_BLOCK`)."""
+        align = PREFILL_KEY_BLOCK if self.batch_invariant else ATTENTION_SPAN_ALIGN
+        return min(-(-(position + 1) // align) * align, max_len)
 
     def _cached_attention(
         self, cache: KVCache, layer: int, slot: int, queries: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """Attention of query rows ``[rows, heads, head_dim]`` over ``slot``'s cached keys, under ``mask``."""
-        end = mask.shape[-1]
+        """Attention of query rows ``[rows, heads, head_dim]`` over ``slot``'s cached keys, under ``mask``; in the
+        batch-invariant mode over a multiple of :data:`INVARIANT_QUERY_ROWS` rows (the padding rows see every key)."""
+        end, rows = mask.shape[-1], queries.shape[0]
+        if self.batch_invariant and rows % INVARIANT_QUERY_ROWS:
+            pad = INVARIANT_QUERY_ROWS - rows % INVARIANT_QUERY_ROWS
+            queries = F.pad(queries, (0, 0, 0, 0, 0, pad))
+            mask = torch.cat([mask, mask.new_ones(1, 1, pad, end)], 2)
         attn = F.scaled_dot_product_attention(
             queries.transpose(0, 1)[None],
             cache.keys[layer, slot, :, :end][None],
@@ -450,7 +492,7 @@ class LlamaForCausalLM:
             attn_mask=mask,
             enable_gqa=True,
         )[0]
-        return attn.transpose(0, 1).reshape(queries.shape[0], self._q_width)
+        return attn.transpose(0, 1)[:rows].reshape(rows, self._q_width)
 
     def _prompt_attention(self, heads: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """Causal attention of each prompt over its own rows of ``heads``: ``[rows, heads * head_dim]``."""
@@ -497,8 +539,7 @@ class LlamaForCausalLM:
             x = self._mlp(layer, x)
         return self._rms_norm(x, self.norm)
 
-    @staticmethod
-    def _decode_groups(positions: torch.Tensor, slots: torch.Tensor, cache: KVCache) -> list[AttentionGroup]:
+    def _decode_groups(self, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache) -> list[AttentionGroup]:
         """A decode batch's attention calls: runs of rows in consecutive slots, each a view of the cache padded
         to its longest row's span.
 
@@ -507,10 +548,10 @@ class LlamaForCausalLM:
         :data:`SPLIT_KEY_ROWS` (greedily, and one call wherever that costs less). Rows of equal lengths stay
         one call; eight sequences, one of 1,024 positions and seven of 256, attend in half the time of one
         padded call. A row's bits do not depend on its run: keys past its length add exact zeros under the
-        mask, whatever the span.
+        mask, whatever the span. In the batch-invariant mode spans are whole blocks of SDPA's key split, as a
+        prompt's (:meth:`_chunk_mask`): on an AVX2-only CPU a row's bits changed with its span.
         """
-        spans = [min(-(-(p + 1) // ATTENTION_SPAN_ALIGN) * ATTENTION_SPAN_ALIGN, cache.max_len)
-                 for p in positions.tolist()]
+        spans = [self._key_span(p, cache.max_len) for p in positions.tolist()]
         slot_of = slots.tolist()
         runs: list[tuple[int, int, int]] = []  # (first row, end row, span)
         first, span = 0, spans[0]
@@ -542,13 +583,17 @@ class LlamaForCausalLM:
             slots = slice(group.first_slot, group.first_slot + group.end - group.start)
             # SDPA's flash kernel reads the strided cache views in place; a bfloat16 torch.matmul
             # copied both (oneDNN takes only contiguous batches), a third of a batch-8 step.
+            queries, mask = heads[group.start : group.end, : self.cfg.num_heads, None], group.mask
+            if self.batch_invariant:  # each row padded to a whole group of query rows, as a prompt's rows are
+                queries = F.pad(queries, (0, 0, 0, INVARIANT_QUERY_ROWS - 1))
+                mask = mask.expand(-1, -1, INVARIANT_QUERY_ROWS, -1)
             outs.append(F.scaled_dot_product_attention(
-                heads[group.start : group.end, : self.cfg.num_heads, None],
+                queries,
                 cache.keys[layer, slots, :, : group.span],
                 cache.values[layer, slots, :, : group.span],
-                attn_mask=group.mask,
+                attn_mask=mask,
                 enable_gqa=True,
-            ))
+            )[:, :, :1])
         attn = outs[0] if len(outs) == 1 else torch.cat(outs)
         return attn.reshape(heads.shape[0], self._q_width)
 

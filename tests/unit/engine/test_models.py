@@ -202,7 +202,12 @@ def test_default_bfloat16_decode_rows_stay_close_to_float32_in_any_batch(cls: ty
 @functools.cache
 def _long_cache() -> KVCache:
     """A one-slot cache of 2,048 positions (only its length matters to the runs)."""
-    return KVCache(_random_model(LlamaForCausalLM, torch.float32).cfg, 1, 2048, torch.float32)
+    return KVCache(_runs_model(False).cfg, 1, 2048, torch.float32)
+
+
+@functools.cache
+def _runs_model(batch_invariant: bool) -> LlamaForCausalLM:
+    return _random_model(LlamaForCausalLM, torch.float32, batch_invariant=batch_invariant)
 
 
 @given(lengths=st.lists(st.integers(1, 2000), min_size=1, max_size=70))
@@ -210,7 +215,7 @@ def test_decode_attention_runs_cover_the_batch_and_split_only_to_save_padding(le
     """The runs partition the rows in order, each row's keys fit its run's span, and a split is never
     costlier, in padded key rows plus SPLIT_KEY_ROWS per extra call, than one call over the whole batch."""
     cache = _long_cache()
-    groups = LlamaForCausalLM._decode_groups(torch.tensor(lengths) - 1, torch.arange(len(lengths)), cache)
+    groups = _runs_model(False)._decode_groups(torch.tensor(lengths) - 1, torch.arange(len(lengths)), cache)
     assert [g.start for g in groups] == [0] + [g.end for g in groups[:-1]] and groups[-1].end == len(lengths)
     for g in groups:
         assert g.span % ATTENTION_SPAN_ALIGN == 0 or g.span == cache.max_len
@@ -226,8 +231,15 @@ def test_decode_attention_runs_cover_the_batch_and_split_only_to_save_padding(le
 
 
 def test_one_long_sequence_among_short_ones_attends_apart() -> None:
-    groups = LlamaForCausalLM._decode_groups(torch.tensor([255, 255, 1023, 255, 255, 255]), torch.arange(6), _long_cache())
+    groups = _runs_model(False)._decode_groups(torch.tensor([255, 255, 1023, 255, 255, 255]), torch.arange(6),
+                                               _long_cache())
     assert [(g.start, g.end, g.span) for g in groups] == [(0, 2, 256), (2, 3, 1024), (3, 6, 256)]
+
+
+def test_batch_invariant_decode_spans_are_whole_key_blocks() -> None:
+    """As a prompt's rows read them (on an AVX2-only CPU a decode row's bits changed with its span)."""
+    groups = _runs_model(True)._decode_groups(torch.tensor([19, 600, 1100]), torch.arange(3), _long_cache())
+    assert [(g.start, g.end, g.span) for g in groups] == [(0, 1, 512), (1, 2, 1024), (2, 3, 1536)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
