@@ -42,6 +42,7 @@ class ScheduledRequest:
     reads_prefix_cache: bool = False
     cached_tokens: int = 0
     kv_pull: tuple[float, int] | None = None  # a pulled decode leg's READ: seconds, bytes
+    held_slot: int | None = None  # a pulled decode leg: the held slot its KV landed in, until it is placed there
 
     @property
     def num_seqs(self) -> int:

@@ -31,7 +31,9 @@ class KVTransferSpec(msgspec.Struct, frozen=True, kw_only=True):
     lease_s: float = 30.0  # how long exported KV waits for its pull
     pull_timeout_s: float = 30.0  # bound on one pull's READ (--kv-pull-timeout-s)
     failure_policy: str = "fail"  # a failed pull: "fail" the request, or "recompute" the prompt here
-    pool_tokens: int | None = None  # block pool size in token positions (None: max_num_seqs * max_model_len)
+    # KV slots beside the running batch's that hand-offs hold: a finished prefill leg's KV until its pull, a decode
+    # leg's pull before it runs (None: as many as max_num_seqs).
+    handoff_slots: int | None = None
     block_size: int = 16
     api_key: str | None = None  # sent to peers' /kv/metadata (pools of one fleet share a key)
     role: str = "both"  # KV_ROLES: the legs this server takes (a leg of the other pool is a 400)

@@ -17,9 +17,9 @@ running keep their pace meanwhile.
 A step reads as nano-vllm's: schedule (admit) → run the model (prefill, decode) → sample →
 route the outputs (finish reasons, retire). The P/D KV hand-off is hooks at those seams
 (:mod:`pdserve.engine.kv.hooks`): with ``--kv-transfer`` a prefill leg's prompt KV is exported
-when it finishes, and a decode leg enters the scheduler only once its KV has been pulled: its
-"prefill" is then a copy into its slot, and its first decode step computes the last prompt
-token, as vLLM's decode side does.
+when it finishes (its slot held under a lease until the pull), and a decode leg enters the scheduler
+only once its KV has been pulled into a slot it holds: it then runs in that slot, and its first decode
+step computes the last prompt token, as vLLM's decode side does.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from pdserve.engine.api import EngineError
-from pdserve.engine.kv.handoff import KVHandoff
+from pdserve.engine.kv.handoff import KVHandoff, Slots
 from pdserve.engine.kv.hooks import KVHandoffHooks, NoKVHandoff
 from pdserve.engine.kv.prefix_cache import PrefixCache, block_hashes
 from pdserve.engine.messages import RequestFailed, StepOutputs
@@ -71,6 +71,10 @@ def chunk_rows_within(computed: int, key_rows: int) -> int:
     return max(1, rows)
 
 
+# Builds an engine's KV hand-off over its cache (registered with NIXL as it is) and its scheduler's slots.
+KVHandoffFactory = Callable[[KVCache, Slots], KVHandoff]
+
+
 @dataclass(eq=False)
 class ChunkedPrefill:
     """The one request whose prompt is prefilled in chunks: how far it got, and its prompt logprobs so far."""
@@ -93,8 +97,8 @@ class StepLoop:
     pace_s = 0.0  # a model step is its own pace
 
     def __init__(
-        self, model: LlamaForCausalLM, info: EngineInfo, seed: int, kv: KVHandoff | None = None,
-        prefix_cache: PrefixCache | None = None,
+        self, model: LlamaForCausalLM, info: EngineInfo, seed: int, kv: KVHandoffFactory | None = None,
+        prefix_cache: PrefixCache | None = None, handoff_slots: int = 0,
     ) -> None:
         self.model = model
         self.prefix_cache = prefix_cache
@@ -105,15 +109,18 @@ class StepLoop:
         self.max_batched_tokens = info.max_num_batched_tokens
         self.primary_eos = info.eos_token_ids[0] if info.eos_token_ids else None
         self.eos_ids = frozenset(info.eos_token_ids)
-        # One slot per running sequence (a prompt prefilled in chunks runs into its reserved slot).
-        self.cache = KVCache(model.cfg, info.max_num_seqs, info.max_model_len, model.dtype)
-        self.scheduler: Scheduler[ScheduledRequest, ScheduledSequence] = Scheduler(info.max_num_seqs)
+        # One slot per running sequence (a prompt prefilled in chunks runs into its reserved slot), and those a KV
+        # hand-off holds beside them (a prefill leg's KV until its pull, a decode leg's pull before it runs).
+        num_slots = info.max_num_seqs + handoff_slots
+        self.cache = KVCache(model.cfg, num_slots, info.max_model_len, model.dtype)
+        self.scheduler: Scheduler[ScheduledRequest, ScheduledSequence] = Scheduler(info.max_num_seqs, num_slots)
         self.chunked: ChunkedPrefill | None = None
         self.requests: dict[str, ScheduledRequest] = {}
         self._seed_source = random.Random(seed)
         self._out = StepOutputs()
         self.kv: KVHandoffHooks | NoKVHandoff = (
-            KVHandoffHooks(kv, self.scheduler, self.cache, self._fail) if kv is not None else NoKVHandoff()
+            KVHandoffHooks(kv(self.cache, self.scheduler), self.scheduler, self.cache, self._fail)
+            if kv is not None else NoKVHandoff()
         )
         self._prompt_tokens_computed = 0
         self._steps = 0
@@ -273,9 +280,9 @@ class StepLoop:
         for req in admitted:
             req.scheduled_at = time.monotonic()
             live = [s for s in req.sequences if s.live]  # stop_sequence may have dropped some while waiting
-            for seq in live:
-                self.scheduler.place(seq)
-            if not self.kv.load_prompt(req, live):  # a pulled decode leg's KV is copied in instead
+            for i, seq in enumerate(live):  # a pulled decode leg's first sequence runs where its KV landed
+                self.scheduler.place(seq, req.held_slot if i == 0 else None)
+            if not self.kv.load_prompt(req, live):  # a pulled decode leg's KV is there already
                 computed.append((req, live, self._load_prefix(req, live[0].slot)))
         if computed:
             self._compute_prompts(computed)
@@ -443,7 +450,10 @@ class StepLoop:
                 req = seq.request
                 keys = block_hashes(req.prompt + seq.output, self.prefix_cache.block_size, req.cache_salt, req.prefix_keys)
                 self.prefix_cache.store(keys, self.cache, seq.slot, seq.num_cached)
-            self.scheduler.release(seq)
+            if self.kv.keeps_slot(seq):  # a prefill leg's KV waits in its slot for the pull
+                self.scheduler.hold(seq)
+            else:
+                self.scheduler.release(seq)
         self._finish_request_if_done(seq.request)
 
     def _finish_request_if_done(self, req: ScheduledRequest) -> None:

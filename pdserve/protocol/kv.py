@@ -27,7 +27,8 @@ PARAM = "kv_transfer_params"
 
 
 class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
-    """The shape of one KV block; two engines can hand off KV only when theirs are equal."""
+    """The shape of a position's keys/values and of a block on the wire; two engines can hand off KV only when
+    theirs are equal."""
 
     num_layers: int
     num_kv_heads: int
@@ -37,23 +38,62 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     itemsize: int
 
     @property
+    def row_bytes(self) -> int:
+        """Bytes of one position of one (keys or values, layer, head): ``head_dim`` numbers."""
+        return self.head_dim * self.itemsize
+
+    @property
+    def position_bytes(self) -> int:
+        """Bytes of one position: keys and values of every layer and head."""
+        return 2 * self.num_layers * self.num_kv_heads * self.row_bytes
+
+    @property
     def block_bytes(self) -> int:
-        """Bytes of one block: keys and values of every layer and head for ``block_size`` positions."""
-        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * self.itemsize
+        """Bytes of one block: ``block_size`` positions."""
+        return self.position_bytes * self.block_size
 
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
 
 
 class KVAgentInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """What a decode engine needs to READ from this engine's block pool (``GET /kv/metadata``)."""
+    """What a decode engine needs to READ straight from this engine's KV cache (``GET /kv/metadata``).
+
+    The registered memory is the cache itself, ``[2, layers, num_slots, kv_heads, slot_positions, head_dim]``:
+    a sequence's KV stays in its slot, and a pull READs a prefill's slot into a decode engine's slot. On the wire
+    (vLLM's ``remote_block_ids``) a slot's positions are blocks of ``layout.block_size``: slot ``s`` holds blocks
+    ``s * blocks_per_slot`` on (:func:`slot_block_ids`, :meth:`slot_of`).
+    """
 
     engine_id: str
     backend: str  # "nixl"
     agent_metadata: bytes  # nixl_agent.get_agent_metadata(): the agent and its registered memory
-    base_address: int  # address of block 0 of the registered pool
-    num_blocks: int
+    base_address: int  # address of the registered KV cache
+    num_slots: int
+    slot_positions: int  # positions of one slot (the engine's max_model_len)
     layout: KVLayout
+
+    @property
+    def blocks_per_slot(self) -> int:
+        return self.layout.blocks_for(self.slot_positions)
+
+    def slot_of(self, block_ids: list[int], num_tokens: int) -> int:
+        """The slot whose first ``num_tokens`` positions ``block_ids`` name; ValueError when they are not exactly
+        those blocks of one slot of this engine."""
+        per_slot = self.blocks_per_slot
+        slot = block_ids[0] // per_slot if block_ids else -1
+        if not 0 <= slot < self.num_slots or num_tokens > self.slot_positions:
+            raise ValueError(f"remote block ids must name one of the prefill engine's {self.num_slots} KV slots")
+        if block_ids != slot_block_ids(slot, num_tokens, self.slot_positions, self.layout.block_size):
+            raise ValueError(f"remote block ids must be the first {self.layout.blocks_for(num_tokens)} blocks of "
+                             "one KV slot, in order")
+        return slot
+
+
+def slot_block_ids(slot: int, num_tokens: int, slot_positions: int, block_size: int) -> list[int]:
+    """The wire's block ids of positions ``[0, num_tokens)`` of ``slot`` (a prefill response's ``remote_block_ids``)."""
+    first = slot * math.ceil(slot_positions / block_size)
+    return list(range(first, first + math.ceil(num_tokens / block_size)))
 
 
 class KVPull(msgspec.Struct, frozen=True, kw_only=True):
@@ -199,10 +239,10 @@ PULL_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 class KVStats(msgspec.Struct, kw_only=True):
     """An engine's KV hand-off counters (cumulative unless said otherwise), served in ``/metrics``."""
 
-    pool_blocks: int = 0
-    free_blocks: int = 0  # now
-    held_blocks: int = 0  # now: exported prompts waiting for their remote decode (leases)
-    held_requests: int = 0  # now
+    slots: int = 0  # KV slots: the running batch's and those hand-offs hold (--max-num-seqs + --kv-handoff-slots)
+    free_slots: int = 0  # now
+    held_blocks: int = 0  # now: blocks of exported prompts waiting for their remote decode (leases)
+    held_requests: int = 0  # now: those prompts (each holds its slot)
     exported_blocks: int = 0
     exported_requests: int = 0
     leases_pulled: int = 0  # freed because the decode engine said it pulled them

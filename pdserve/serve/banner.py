@@ -46,10 +46,12 @@ def _kv_line(state: AppState) -> str:
                 f"lease {round(spec.lease_s)}s, on load failure {spec.failure_policy}")
     if spec is None or info is None:
         return "none (requests carrying kv_transfer_params are refused)"
-    pool_mib = info.num_blocks * info.layout.block_bytes / 2**20
-    return (f"nixl, engine {info.engine_id}: {info.num_blocks} blocks of {info.layout.block_size} tokens "
-            f"({pool_mib:.0f} MiB address space), lease {spec.lease_s:g}s, on load failure {spec.failure_policy}; "
-            f"peers pull via {spec.host}:{spec.port}/kv/metadata; {legs[spec.role]}")
+    cache_mib = info.num_slots * info.slot_positions * info.layout.position_bytes / 2**20
+    handoff = info.num_slots - engine.max_num_seqs
+    return (f"nixl, engine {info.engine_id}: the KV cache registered ({info.num_slots} slots of {info.slot_positions} "
+            f"positions, {handoff} of them for hand-offs; {cache_mib:.0f} MiB address space), lease {spec.lease_s:g}s, "
+            f"on load failure {spec.failure_policy}; peers pull via {spec.host}:{spec.port}/kv/metadata; "
+            f"{legs[spec.role]}")
 
 
 def _parsers_line(state: AppState) -> str:

@@ -88,8 +88,10 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
         help="a decode leg whose KV cannot be pulled: fail it (502 / error event), or recompute the prompt here",
     )
     kv.add_argument(
-        "--kv-pool-tokens", type=int, default=None,
-        help="size of the NIXL-registered KV block pool in token positions (default: max_num_seqs * max_model_len)",
+        "--kv-handoff-slots", type=int, default=None,
+        help="KV slots beside the running batch's (--max-num-seqs) that hand-offs hold: a finished prefill's KV "
+        "until its pull, a decode leg's pull before it runs (default: --max-num-seqs); the whole cache is "
+        "NIXL-registered, so neither side copies",
     )
     kv.add_argument(
         "--kv-host", default=None,
@@ -108,8 +110,8 @@ def kv_transfer_spec(args: argparse.Namespace) -> KVTransferSpec | None:
         raise ValueError("--kv-lease-s must be positive")
     if args.kv_pull_timeout_s <= 0:
         raise ValueError("--kv-pull-timeout-s must be positive")
-    if args.kv_pool_tokens is not None and args.kv_pool_tokens < 1:
-        raise ValueError("--kv-pool-tokens must be positive")
+    if args.kv_handoff_slots is not None and args.kv_handoff_slots < 1:
+        raise ValueError("--kv-handoff-slots must be at least 1")
     port = args.kv_side_channel_port
     if port is not None and not 0 < port < 65536:
         raise ValueError("--kv-side-channel-port must be a TCP port (1-65535)")
@@ -123,7 +125,7 @@ def kv_transfer_spec(args: argparse.Namespace) -> KVTransferSpec | None:
         lease_s=args.kv_lease_s,
         pull_timeout_s=args.kv_pull_timeout_s,
         failure_policy=args.kv_load_failure_policy,
-        pool_tokens=args.kv_pool_tokens,
+        handoff_slots=args.kv_handoff_slots,
         api_key=args.api_key,
         role=args.kv_role,
         side_channel_port=port,
@@ -207,8 +209,8 @@ def _vllm_tokenizer(args: argparse.Namespace, tokenizer: str | None) -> str | No
     require_vllm()
     if args.batch_invariant:
         raise ValueError("--batch-invariant is a torch engine mode; drop it with --engine vllm")
-    if args.kv_transfer and args.kv_pool_tokens is not None:
-        raise ValueError("--kv-pool-tokens sizes the torch engine's pool; vLLM's NixlConnector uses vLLM's KV cache")
+    if args.kv_transfer and args.kv_handoff_slots is not None:
+        raise ValueError("--kv-handoff-slots sizes the torch engine's KV cache; vLLM's NixlConnector uses vLLM's")
     if args.api_server_count != 1:
         raise ValueError("--engine vllm runs in the server process: --api-server-count must be 1")
     return tokenizer or str(resolve_model(args.model, engine="vllm"))

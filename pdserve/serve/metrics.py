@@ -36,8 +36,8 @@ _KV_COUNTERS = (
      "Blocks of decode legs' prompts found in this engine's prefix cache, so not pulled"),
 )
 _KV_GAUGES = (
-    ("pool_blocks", "pdserve_kv_pool_blocks", "Blocks of the NIXL-registered KV block pool"),
-    ("free_blocks", "pdserve_kv_free_blocks", "Free blocks of the KV block pool"),
+    ("slots", "pdserve_kv_slots", "Slots of the NIXL-registered KV cache (running batch and hand-offs)"),
+    ("free_slots", "pdserve_kv_free_slots", "Free slots of the KV cache"),
     ("held_blocks", "pdserve_kv_held_blocks", "KV blocks held for remote decode (leases)"),
     ("held_requests", "pdserve_kv_held_requests", "Prefill legs whose KV is held for remote decode"),
 )
@@ -93,7 +93,7 @@ class _EngineStatsCollector(Collector):
         if stats.kv is not None:
             yield from _kv_metrics(stats.kv)
         elif info is not None and (pool := info.kv) is not None:
-            yield from _kv_metrics(KVStats(pool_blocks=pool.num_blocks, free_blocks=pool.num_blocks))
+            yield from _kv_metrics(KVStats(slots=pool.num_slots, free_slots=pool.num_slots))
 
 
 class TokenCounter(Collector):

@@ -1,15 +1,18 @@
 """KV hand-off bookkeeping of one engine: leases on the prefill side, pulls on the decode side.
 
-Prefill side: a request with ``do_remote_decode`` reserves pool blocks before it runs (held KV
-counts against capacity, so a full pool makes new prefill legs wait, never fail); when it
-finishes by length or stop its prompt's keys/values are copied into those blocks and held under a
-lease until the decode engine's "pulled" notification arrives or ``lease_s`` passes.
+Nothing is copied on either side: the NIXL-registered memory is the KV cache itself (``transport.py``).
 
-Decode side: a request with ``do_remote_prefill`` waits (outside the scheduler) while the remote
-engine's metadata is fetched, local blocks are free and the NIXL READ runs; then the step loop
-copies the blocks into the sequence's slot and decodes from the last prompt token. A pull that
-cannot work (peer unreachable, lease expired, bad block ids, transfer error or timeout) is
-reported to the step loop, which applies ``--kv-load-failure-policy``.
+Prefill side: a request with ``do_remote_decode`` runs like any other; when it finishes by length or stop its
+slot leaves the running batch but stays held (the scheduler's :meth:`~pdserve.engine.scheduler.Scheduler.hold`)
+under a lease, until the decode engine's "pulled" notification arrives or ``lease_s`` passes. Held KV counts
+against the slots, so when every slot is held new requests wait, never fail.
+
+Decode side: a request with ``do_remote_prefill`` waits (outside the scheduler) while the remote engine's
+metadata is fetched and a free slot is taken; the leading blocks its own prefix cache holds are copied into
+that slot and the NIXL READ brings the rest straight from the prefill's slot. Then the request enters the
+scheduler with that slot, runs there, and decodes from the last prompt token. A pull that cannot work (peer
+unreachable, lease expired, bad block ids, transfer error or timeout) is reported to the step loop, which
+applies ``--kv-load-failure-policy``.
 
 Everything here runs on the step loop's thread; only the metadata fetch runs on a worker thread.
 """
@@ -21,41 +24,51 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pdserve.engine.kv.peers import PeerDirectory
-from pdserve.engine.kv.pool import KVBlockPool
 from pdserve.engine.kv.prefix_cache import PrefixCache
 from pdserve.engine.kv.transport import NixlTransport, TransferError
-from pdserve.engine.models import KVCache
 from pdserve.engine.spec import KVTransferSpec
-from pdserve.protocol.kv import KVPull, KVStats, prefill_params
+from pdserve.protocol.kv import KVPull, KVStats, prefill_params, slot_block_ids
 
 log = logging.getLogger(__name__)
 
 
+class Slots(Protocol):
+    """The scheduler's held slots (:class:`~pdserve.engine.scheduler.Scheduler`)."""
+
+    @property
+    def free_slots(self) -> int: ...
+
+    def take_slot(self) -> int | None: ...
+
+    def free_slot(self, slot: int) -> None: ...
+
+
 @dataclass
 class _Lease:
-    request_id: str  # the engine request that exported the blocks
-    blocks: list[int]
+    request_id: str  # the engine request that exported its KV
+    slot: int
+    num_tokens: int
     expires: float  # monotonic
 
 
 @dataclass
 class _Pull:
     pull: KVPull
-    local_blocks: list[int] | None = None
+    slot: int | None = None  # the held slot the READ lands in
     handle: Any = None
     read_started: float = 0.0
-    abandoned: bool = False  # aborted or timed out: free the blocks once NIXL lets go of them
-    # The READ finished: the blocks hold the prompt's KV until load(). The request may wait for an engine
-    # slot for many steps; nothing may READ again, as the prefill engine freed (and may reuse) the remote
-    # blocks on the first READ's notification.
+    abandoned: bool = False  # aborted or timed out: free the slot once NIXL lets go of it
+    # The READ finished: the slot holds the prompt's KV until the request runs there. It may wait for room in
+    # the running batch for many steps; nothing may READ again, as the prefill engine freed (and may reuse) its
+    # slot on the first READ's notification.
     landed: bool = False
     # The keys of the prompt's full blocks in this engine's prefix cache: the leading ones it holds are
     # copied from there, and only the rest is READ.
     prefix_keys: list[bytes] = field(default_factory=list)
-    local_blocks_reused: int = 0
+    reused_tokens: int = 0
     seconds: float = 0.0  # the READ's, once it landed
 
 
@@ -81,46 +94,32 @@ class KVHandoff:
     def __init__(
         self,
         spec: KVTransferSpec,
-        pool: KVBlockPool,
         transport: NixlTransport,
         peers: PeerDirectory,
+        slots: Slots,
         *,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         prefix_cache: PrefixCache | None = None,
     ) -> None:
-        self.spec, self.pool, self.transport, self.peers = spec, pool, transport, peers
-        # Pulls read only the blocks this cache lacks (when its blocks are laid out as the pool's).
-        self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.pool.layout == pool.layout else None
+        self.spec, self.transport, self.peers, self.slots = spec, transport, peers, slots
+        self.layout = transport.layout
+        self.prefix_cache = prefix_cache  # a pull READs only the positions this cache lacks
         self._clock, self._wall = clock, wall
-        self._reserved: dict[str, list[int]] = {}  # prefill requests running now -> their blocks
-        self._leases: dict[str, _Lease] = {}  # exported lease id -> blocks awaiting their pull
+        self._leases: dict[str, _Lease] = {}  # exported lease id -> the slot awaiting its pull
         self._pulls: dict[str, _Pull] = {}  # decode requests -> their pull
         self._lease_ids = itertools.count()
-        self._stats = KVStats(pool_blocks=pool.num_blocks)
+        self._stats = KVStats(slots=transport.cache.num_slots)
 
     # -- prefill side ------------------------------------------------------------------------
 
-    def reserve(self, request_id: str, num_tokens: int) -> bool:
-        """Hold blocks for a prefill leg's prompt; False when the pool cannot hold it now."""
-        blocks = self.pool.allocate(num_tokens)
-        if blocks is None:
-            return False
-        self._reserved[request_id] = blocks
-        return True
-
-    def cancel(self, request_id: str) -> None:
-        """The request ended without exporting (aborted, stopped): give its blocks back."""
-        blocks = self._reserved.pop(request_id, None)
-        if blocks is not None:
-            self.pool.free(blocks)
-
-    def export(self, request_id: str, cache: KVCache, slot: int, num_tokens: int) -> dict[str, Any]:
-        """Copy a finished prompt's KV into its blocks, lease them, and return the response's params."""
-        blocks = self._reserved.pop(request_id)
-        self.pool.save(cache, slot, num_tokens, blocks)
+    def export(self, request_id: str, slot: int, num_tokens: int) -> dict[str, Any]:
+        """Lease a finished prompt's slot (the caller holds it, :meth:`Scheduler.hold`) and return the response's
+        params: its first ``num_tokens`` positions, as the wire's blocks."""
         lease_id = f"{request_id}@{next(self._lease_ids)}"  # unique even when a client reuses its id
-        self._leases[lease_id] = _Lease(request_id, blocks, self._clock() + self.spec.lease_s)
+        self._leases[lease_id] = _Lease(request_id, slot, num_tokens, self._clock() + self.spec.lease_s)
+        cache = self.transport.cache
+        blocks = slot_block_ids(slot, num_tokens, cache.max_len, self.layout.block_size)
         self._stats.exported_blocks += len(blocks)
         self._stats.exported_requests += 1
         return prefill_params(
@@ -136,7 +135,7 @@ class KVHandoff:
         when none may be read); returns why it cannot work instead (nothing is held then)."""
         if pull.num_tokens != prompt_len:
             return f"the prefill computed {pull.num_tokens} prompt tokens but this prompt has {prompt_len}"
-        if len(pull.block_ids) != self.pool.layout.blocks_for(pull.num_tokens):
+        if len(pull.block_ids) != self.layout.blocks_for(pull.num_tokens):
             return f"{len(pull.block_ids)} remote blocks cannot hold exactly {pull.num_tokens} tokens"
         if pull.expiry_time is not None and self._wall() >= pull.expiry_time:
             return f"the prefill engine's lease on the KV expired {self._wall() - pull.expiry_time:.1f}s ago"
@@ -158,15 +157,17 @@ class KVHandoff:
                 self._fail(request_id, p, str(e), progress)
         return progress
 
-    def load(self, request_id: str, cache: KVCache, slot: int, num_tokens: int) -> LoadedPull:
-        """Copy a finished pull's blocks into a slot (positions ``[0, num_tokens)``) and free them."""
+    def landed_slot(self, request_id: str) -> int:
+        """The held slot a finished pull's KV is in (the request runs there)."""
+        slot = self._pulls[request_id].slot
+        assert slot is not None
+        return slot
+
+    def load(self, request_id: str) -> LoadedPull:
+        """A finished pull's request is placed in its slot: the slot is the scheduler's now; what the pull did."""
         p = self._pulls.pop(request_id)
-        assert p.local_blocks is not None
-        self.pool.load(cache, slot, num_tokens, p.local_blocks)
-        self.pool.free(p.local_blocks)
-        read_blocks = len(p.pull.block_ids) - p.local_blocks_reused
-        return LoadedPull(p.local_blocks_reused * self.pool.layout.block_size, p.seconds,
-                          read_blocks * self.pool.layout.block_bytes)
+        read = p.pull.num_tokens - p.reused_tokens
+        return LoadedPull(p.reused_tokens, p.seconds, read * self.layout.position_bytes)
 
     def drop(self, request_id: str) -> None:
         """The request is gone (aborted): stop caring about its pull; blocks free once NIXL is done."""
@@ -192,26 +193,23 @@ class KVHandoff:
     # -- both sides --------------------------------------------------------------------------
 
     def poll(self) -> None:
-        """Free leases whose decode engine pulled them, and those that expired unpulled."""
+        """Free the slots of leases whose decode engine pulled them, and of those that expired unpulled."""
         for message in self.transport.notifications():
             lease = self._leases.pop(message.decode(errors="replace"), None)
             if lease is not None:
-                self.pool.free(lease.blocks)
+                self.slots.free_slot(lease.slot)
                 self._stats.leases_pulled += 1
         now = self._clock()
         for lease_id in [k for k, lease in self._leases.items() if lease.expires <= now]:
             lease = self._leases.pop(lease_id)
-            self.pool.free(lease.blocks)
+            self.slots.free_slot(lease.slot)
             self._stats.leases_expired += 1
-            log.warning(
-                "KV lease %s expired after %.0fs without a pull: %d blocks freed",
-                lease_id, self.spec.lease_s, len(lease.blocks),
-            )
+            log.warning("KV lease %s expired after %.0fs without a pull: its slot is free", lease_id, self.spec.lease_s)
 
     def stats(self) -> KVStats:
         s = self._stats
-        s.free_blocks = self.pool.num_free
-        s.held_blocks = sum(len(lease.blocks) for lease in self._leases.values())
+        s.free_slots = self.slots.free_slots
+        s.held_blocks = sum(self.layout.blocks_for(lease.num_tokens) for lease in self._leases.values())
         s.held_requests = len(self._leases)
         return s
 
@@ -224,36 +222,35 @@ class KVHandoff:
         info = self.peers.lookup(p.pull)
         if info is None:
             return  # metadata still on its way
-        if any(b >= info.num_blocks for b in p.pull.block_ids):
-            raise TransferError(f"remote block ids must be below the prefill pool's {info.num_blocks} blocks")
+        try:
+            remote_slot = info.slot_of(p.pull.block_ids, p.pull.num_tokens)
+        except ValueError as e:
+            raise TransferError(str(e)) from e
         if p.pull.expiry_time is not None and self._wall() >= p.pull.expiry_time:
             raise TransferError("the prefill engine's lease on the KV expired before the pull could start")
-        if p.local_blocks is None:
-            p.local_blocks = self.pool.allocate(p.pull.num_tokens)
-            if p.local_blocks is None:
-                return  # the pool is full: wait for blocks
-        reused = self._copy_cached_prefix(p)
+        if p.slot is None:
+            p.slot = self.slots.take_slot()
+            if p.slot is None:
+                return  # every slot is taken: wait for one
+        p.reused_tokens = self._copy_cached_prefix(p, p.slot)
         p.read_started = self._clock()
-        p.handle = self.transport.start_read(info, p.pull.block_ids[reused:], p.local_blocks[reused:],
+        p.handle = self.transport.start_read(info, remote_slot, p.slot, p.reused_tokens, p.pull.num_tokens,
                                              p.pull.remote_request_id.encode())
 
-    def _copy_cached_prefix(self, p: _Pull) -> int:
-        """Fill the leading local blocks the prefix cache holds (at least the last block is always READ: the
-        READ's notification frees the prefill engine's lease); how many."""
+    def _copy_cached_prefix(self, p: _Pull, slot: int) -> int:
+        """Fill the slot's leading positions the prefix cache holds (never the last prompt position: something is
+        always READ, and the READ's notification frees the prefill engine's lease); how many."""
         cache = self.prefix_cache
-        assert p.local_blocks is not None
         if cache is None or not p.prefix_keys:
             return 0
-        reused = min(cache.hit_blocks(p.prefix_keys, p.pull.num_tokens), len(p.pull.block_ids) - 1)
-        cache.copy_to(p.prefix_keys[:reused], self.pool, p.local_blocks[:reused])
-        p.local_blocks_reused = reused
-        return reused
+        hit = cache.hit_blocks(p.prefix_keys, p.pull.num_tokens)
+        return cache.load(p.prefix_keys[:hit], self.transport.cache, slot)
 
     def _check(self, request_id: str, p: _Pull, progress: PullProgress) -> None:
         state = self.transport.state(p.handle, p.pull.remote_engine_id)
         if state == "PROC":
-            # A READ still running after --kv-pull-timeout-s has failed (the peer hangs); its blocks stay
-            # reserved until NIXL is done with them, so a late write never lands in another request's blocks.
+            # A READ still running after --kv-pull-timeout-s has failed (the peer hangs); its slot stays held
+            # until NIXL is done with it, so a late write never lands in another request's KV.
             if not p.abandoned and self._clock() - p.read_started > self.spec.pull_timeout_s:
                 p.abandoned = True
                 self._stats.pulls_failed += 1
@@ -268,13 +265,14 @@ class KVHandoff:
             self.peers.forget(p.pull.remote_engine_id)
             raise TransferError(f"the NIXL READ from engine {p.pull.remote_engine_id} failed")
         seconds = self._clock() - p.read_started
-        blocks = len(p.pull.block_ids) - p.local_blocks_reused
+        read = p.pull.num_tokens - p.reused_tokens
         s = self._stats
-        s.local_prefix_blocks += p.local_blocks_reused
+        if self.prefix_cache is not None:
+            s.local_prefix_blocks += p.reused_tokens // self.prefix_cache.block_size
         s.pulls_ok += 1
-        s.pulled_blocks += blocks
-        s.pulled_bytes += blocks * self.pool.layout.block_bytes
-        s.pulled_tokens += p.pull.num_tokens - p.local_blocks_reused * self.pool.layout.block_size
+        s.pulled_blocks += len(p.pull.block_ids) - p.reused_tokens // self.layout.block_size
+        s.pulled_bytes += read * self.layout.position_bytes
+        s.pulled_tokens += read
         s.observe_pull(seconds)
         p.seconds = seconds
         p.landed = True
@@ -290,6 +288,6 @@ class KVHandoff:
 
     def _release(self, request_id: str, p: _Pull) -> None:
         self._pulls.pop(request_id, None)
-        if p.local_blocks is not None:
-            self.pool.free(p.local_blocks)
-            p.local_blocks = None
+        if p.slot is not None:
+            self.slots.free_slot(p.slot)
+            p.slot = None

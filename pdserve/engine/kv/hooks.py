@@ -7,19 +7,19 @@ The step loop calls the same hooks whether or not the engine runs with ``--kv-tr
 order a request meets them:
 
 * ``problems(request)``: what ``validate`` adds for ``kv_transfer_params``.
-* ``on_add(req, intent)``: True when the hooks hold the request back from the scheduler. A prefill
-  leg waits (in arrival order) until the block pool holds its prompt; a decode leg waits while its
-  KV is pulled. A pull that fails applies ``--kv-load-failure-policy``: ``recompute`` hands the
-  request to the scheduler to prefill here, ``fail`` ends it through the loop's ``fail`` callback.
-* ``poll()`` (every turn) and ``before_step()`` (every step): leases freed, waiting prefill legs
-  admitted, pulls moved on; a pulled request then enters the scheduler.
+* ``on_add(req, intent)``: True when the hooks hold the request back from the scheduler: a decode leg
+  waits while its KV is pulled into a slot it holds. A pull that fails applies
+  ``--kv-load-failure-policy``: ``recompute`` hands the request to the scheduler to prefill here,
+  ``fail`` ends it through the loop's ``fail`` callback. A prefill leg goes to the scheduler at once.
+* ``poll()`` (every turn) and ``before_step()`` (every step): leases freed, pulls moved on; a pulled
+  request then enters the scheduler with its slot (``ScheduledRequest.held_slot``).
 * ``pulled(req)``: its KV was pulled, so admitting it computes no prompt token (the step's budget).
-* ``load_prompt(req, live)``: at admission, True when the request's prompt KV was pulled and is now
-  copied into its slots instead of computed.
+* ``load_prompt(req, live)``: at admission, True when the request's prompt KV was pulled (its first
+  sequence is placed in the slot it landed in; siblings get copies) instead of computed.
 * ``after_decode(running)``: a pulled leg's first decode step ran its last prompt token; the KV the
   prefill computed for that position is put back.
 * ``on_finish(seq, finish)``: the ``kv_transfer_params`` of a finishing prefill leg (its KV exported
-  under a lease), else None.
+  under a lease), else None; ``keeps_slot(seq)`` then says the finished sequence's slot stays held.
 * ``forget(req)``: the request is over; whatever the hooks hold for it is released.
 
 Everything runs on the step loop's thread.
@@ -28,7 +28,6 @@ Everything runs on the step loop's thread.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -80,6 +79,9 @@ class NoKVHandoff:
     def on_finish(self, seq: ScheduledSequence, finish: str) -> dict[str, Any] | None:
         return None
 
+    def keeps_slot(self, seq: ScheduledSequence) -> bool:
+        return False
+
     def forget(self, req: ScheduledRequest) -> None:
         pass
 
@@ -101,10 +103,10 @@ class KVHandoffHooks:
         self._scheduler = scheduler
         self._cache = cache
         self._fail = fail
-        self._awaiting_blocks: deque[ScheduledRequest] = deque()  # prefill legs waiting for pool room
         self._exports: set[ScheduledRequest] = set()  # prefill legs: export the prompt's KV when they finish
+        self._leased: set[ScheduledSequence] = set()  # finished prefill legs whose slot their lease keeps
         self._pulling: dict[str, ScheduledRequest] = {}  # decode legs whose KV is being pulled
-        self._pulled: set[ScheduledRequest] = set()  # decode legs whose prompt KV waits in the pool
+        self._pulled: set[ScheduledRequest] = set()  # decode legs whose prompt KV waits in their held slot
         # The prefill's KV of the last prompt position, until the first decode step has run it.
         self._tails: dict[ScheduledRequest, torch.Tensor] = {}
 
@@ -114,12 +116,9 @@ class KVHandoffHooks:
         kv = request.kv
         if not kv.any:
             return []
-        pool = self.handoff.pool
         problems = []
         if kv.export and request.sampling.n != 1:
             problems.append("a prefill leg (do_remote_decode) must have n=1")
-        if kv.export and pool.layout.blocks_for(len(request.prompt_token_ids)) > pool.num_blocks:
-            problems.append("the prompt does not fit the KV block pool (--kv-pool-tokens)")
         if kv.pull is not None and request.sampling.prompt_logprobs is not None:
             problems.append("prompt_logprobs need the prompt computed here; a decode leg (do_remote_prefill) pulls it")
         return problems
@@ -135,9 +134,6 @@ class KVHandoffHooks:
             return True
         if intent.export:
             self._exports.add(req)
-            self._awaiting_blocks.append(req)
-            self._admit_exports()
-            return True
         return False
 
     def pending(self) -> bool:
@@ -145,9 +141,8 @@ class KVHandoffHooks:
         return self.handoff.pending()
 
     def poll(self) -> None:
-        """Free pulled and expired leases, admit prefill legs that fit now."""
+        """Free the slots of pulled and expired leases."""
         self.handoff.poll()
-        self._admit_exports()
 
     def before_step(self) -> None:
         """Move the pulls on: a pulled request enters the scheduler, a failed one meets the policy."""
@@ -156,6 +151,7 @@ class KVHandoffHooks:
             req = self._pulling.pop(rid, None)
             if req is not None:
                 self._pulled.add(req)
+                req.held_slot = self.handoff.landed_slot(rid)
                 self._scheduler.add(req)
         for rid, reason in progress.failed:
             req = self._pulling.pop(rid, None)
@@ -165,19 +161,21 @@ class KVHandoffHooks:
     # -- the step --------------------------------------------------------------------------
 
     def pulled(self, req: ScheduledRequest) -> bool:
-        """Its prompt's KV waits in the pool: admitting it computes no prompt token."""
+        """Its prompt's KV waits in its held slot: admitting it computes no prompt token."""
         return req in self._pulled
 
     def load_prompt(self, req: ScheduledRequest, live: list[ScheduledSequence]) -> bool:
-        """A pulled decode leg's "prefill": the prompt's KV copied into its slots. The last prompt
-        position still runs through the model (in the next decode step) for the first token's
-        logits; the KV that step writes for it is then replaced by the prefill's, so the cache
-        holds exactly what a coupled server's prefill would have written."""
+        """A pulled decode leg's "prefill": its first live sequence was placed in the slot the KV landed in
+        (nothing to copy); its siblings get copies. The last prompt position still runs through the model (in
+        the next decode step) for the first token's logits; the KV that step writes for it is then replaced by
+        the prefill's, so the cache holds exactly what a coupled server's prefill would have written."""
         if req not in self._pulled:
             return False
         self._pulled.discard(req)
         n, cache = req.prompt_len, self._cache
-        loaded = self.handoff.load(req.request_id, cache, live[0].slot, n)
+        assert live[0].slot == req.held_slot
+        req.held_slot = None
+        loaded = self.handoff.load(req.request_id)
         req.cached_tokens, req.kv_pull = loaded.reused_tokens, (loaded.seconds, loaded.bytes)
         for seq in live[1:]:
             cache.copy_slot(live[0].slot, seq.slot, n)
@@ -207,28 +205,28 @@ class KVHandoffHooks:
         req = seq.request
         if finish not in ("length", "stop") or req not in self._exports:
             return None
-        return self.handoff.export(req.request_id, self._cache, seq.slot, req.prompt_len)
+        self._leased.add(seq)
+        return self.handoff.export(req.request_id, seq.slot, req.prompt_len)
+
+    def keeps_slot(self, seq: ScheduledSequence) -> bool:
+        """The finished sequence's slot stays held: its KV waits there for its pull (the lease frees it)."""
+        if seq not in self._leased:
+            return False
+        self._leased.discard(seq)
+        return True
 
     def forget(self, req: ScheduledRequest) -> None:
-        self.handoff.cancel(req.request_id)
         self.handoff.drop(req.request_id)
         self._exports.discard(req)
         self._pulling.pop(req.request_id, None)
         self._pulled.discard(req)
+        req.held_slot = None
         self._tails.pop(req, None)
-        if req in self._awaiting_blocks:
-            self._awaiting_blocks.remove(req)
 
     def stats(self) -> KVStats | None:
         return self.handoff.stats()
 
     # -- internals -------------------------------------------------------------------------
-
-    def _admit_exports(self) -> None:
-        """Prefill legs enter the scheduler in arrival order once the pool holds their prompt."""
-        waiting = self._awaiting_blocks
-        while waiting and self.handoff.reserve(waiting[0].request_id, waiting[0].prompt_len):
-            self._scheduler.add(waiting.popleft())
 
     def _pull_failed(self, req: ScheduledRequest, reason: str) -> None:
         """Apply --kv-load-failure-policy: end the request with the cause, or prefill it here."""

@@ -21,8 +21,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from pdserve.engine.kv.pool import KVBlockPool
 from pdserve.engine.models import KVCache
 
@@ -79,12 +77,6 @@ class PrefixCache:
         if blocks:
             self.pool.load_blocks(cache, slot, 0, blocks)
         return len(blocks) * self.block_size
-
-    def copy_to(self, keys: Sequence[bytes], pool: KVBlockPool, blocks: Sequence[int]) -> None:
-        """Copy the cached blocks of ``keys`` (all cached) into ``blocks`` of another pool of the same layout
-        (a decode leg's pull: the blocks it need not READ)."""
-        if keys:
-            pool.data[torch.tensor(list(blocks))] = self.pool.data[torch.tensor(self._touch(keys))]
 
     def count_lookup(self, prompt_len: int, hit_tokens: int) -> None:
         self.stats.queries += prompt_len

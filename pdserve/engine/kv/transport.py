@@ -1,10 +1,11 @@
-"""NIXL, the transfer library under vLLM's NixlConnector, for one engine's block pool.
+"""NIXL, the transfer library under vLLM's NixlConnector, for one engine's KV cache.
 
-One agent per engine, named by its engine id, with the UCX backend; the pool is registered
-once, as host memory (``"DRAM"``), at start-up. A decode engine adds a prefill engine's agent
-from the metadata that engine serves (``GET /kv/metadata``) and READs blocks from it; the READ
-carries a notification (the prefill's request id) that the prefill engine receives when the
-data has been read: the "pulled, you may free it" signal.
+One agent per engine, named by its engine id, with the UCX backend; the KV cache itself is registered
+once, as host memory (``"DRAM"``), at start-up, so nothing is copied on either side of a hand-off. A decode
+engine adds a prefill engine's agent from the metadata that engine serves (``GET /kv/metadata``) and READs a
+prompt's positions from the prefill's slot straight into its own slot: one descriptor per (keys or values,
+layer, KV head), each a contiguous run of positions. The READ carries a notification (the prefill's lease id)
+that the prefill engine receives when the data has been read: the "pulled, you may free it" signal.
 
 No other transport exists: when NIXL cannot be loaded or fails, the engine says so and the
 request fails (or recomputes, as the operator chose); nothing falls back silently.
@@ -16,8 +17,8 @@ import logging
 from typing import Any
 from unittest import mock
 
-from pdserve.engine.kv.pool import KVBlockPool
-from pdserve.protocol.kv import KVAgentInfo
+from pdserve.engine.models import KVCache
+from pdserve.protocol.kv import KVAgentInfo, KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -63,40 +64,62 @@ def _nixl() -> Any:
     return _api
 
 
+def slot_descriptors(base: int, num_slots: int, slot_positions: int, layout: KVLayout, slot: int, start: int,
+                     end: int) -> list[tuple[int, int, int]]:
+    """NIXL descriptors ``(address, bytes, device 0)`` of positions ``[start, end)`` of ``slot`` in a KV cache laid
+    out ``[2, layers, num_slots, kv_heads, slot_positions, head_dim]`` at ``base``: one contiguous run per (keys or
+    values, layer, KV head), in that order on every engine, so two caches of different slot counts or lengths
+    pair up run by run."""
+    row, heads = layout.row_bytes, layout.num_kv_heads
+    size = (end - start) * row
+    return [
+        (base + (((kv_layer * num_slots + slot) * heads + head) * slot_positions + start) * row, size, 0)
+        for kv_layer in range(2 * layout.num_layers)
+        for head in range(heads)
+    ]
+
+
 class NixlTransport:
-    """The engine's NIXL agent: its registered pool, the remote agents it knows, its READs."""
+    """The engine's NIXL agent: its registered KV cache, the remote agents it knows, its READs."""
 
     backend = "nixl"
 
-    def __init__(self, engine_id: str, pool: KVBlockPool) -> None:
+    def __init__(self, engine_id: str, cache: KVCache, layout: KVLayout) -> None:
         api = _nixl()
-        self.engine_id, self.pool = engine_id, pool
+        self.engine_id, self.cache, self.layout = engine_id, cache, layout
         self._agent = _paced_agent(api, engine_id)
         if "UCX" not in self._agent.backends:
             raise RuntimeError(f"NIXL loaded but its UCX backend did not start (plugins: {self._agent.plugin_list})")
-        self._agent.register_memory([(pool.base_address, pool.nbytes, 0, "")], "DRAM")
+        self._agent.register_memory([(cache.data.data_ptr(), cache.nbytes, 0, "")], "DRAM")
         self._remotes: dict[str, str] = {}  # remote engine id -> agent name NIXL knows it by
-        log.info("NIXL agent %s: %d KV blocks (%.1f MiB) registered", engine_id, pool.num_blocks, pool.nbytes / 2**20)
+        log.info("NIXL agent %s: the KV cache registered (%d slots, %.1f MiB of address space)",
+                 engine_id, cache.num_slots, cache.nbytes / 2**20)
 
     def agent_info(self) -> KVAgentInfo:
         return KVAgentInfo(
             engine_id=self.engine_id,
             backend=self.backend,
             agent_metadata=self._agent.get_agent_metadata(),
-            base_address=self.pool.base_address,
-            num_blocks=self.pool.num_blocks,
-            layout=self.pool.layout,
+            base_address=self.cache.data.data_ptr(),
+            num_slots=self.cache.num_slots,
+            slot_positions=self.cache.max_len,
+            layout=self.layout,
         )
 
-    def start_read(self, remote: KVAgentInfo, remote_blocks: list[int], local_blocks: list[int], notify: bytes) -> Any:
-        """Start READing ``remote_blocks`` into ``local_blocks``; ``notify`` reaches the remote when done."""
-        size = self.pool.layout.block_bytes
+    def start_read(self, remote: KVAgentInfo, remote_slot: int, local_slot: int, start: int, end: int,
+                   notify: bytes) -> Any:
+        """Start READing positions ``[start, end)`` of the remote's ``remote_slot`` into this cache's
+        ``local_slot``; ``notify`` reaches the remote when done."""
+        cache = self.cache
         try:
             name = self._remotes.get(remote.engine_id)
             if name is None:
                 name = self._remotes[remote.engine_id] = self._agent.add_remote_agent(remote.agent_metadata)
-            local = self._agent.get_xfer_descs([(self.pool.block_address(b), size, 0) for b in local_blocks], "DRAM")
-            far = self._agent.get_xfer_descs([(remote.base_address + b * size, size, 0) for b in remote_blocks], "DRAM")
+            local = self._agent.get_xfer_descs(slot_descriptors(
+                cache.data.data_ptr(), cache.num_slots, cache.max_len, self.layout, local_slot, start, end), "DRAM")
+            far = self._agent.get_xfer_descs(slot_descriptors(
+                remote.base_address, remote.num_slots, remote.slot_positions, remote.layout, remote_slot, start, end),
+                "DRAM")
             handle = self._agent.initialize_xfer("READ", local, far, name, notify)
             if self._agent.transfer(handle) == "ERR":
                 handle.release()

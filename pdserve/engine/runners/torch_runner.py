@@ -24,12 +24,12 @@ from pdserve.checkpoints.model_dir import model_eos_ids
 from pdserve.checkpoints.resolve import model_display_name, resolve_model
 from pdserve.engine.dtype_choice import choose_dtype
 from pdserve.engine.inproc import InProcessCore
-from pdserve.engine.kv.handoff import KVHandoff
+from pdserve.engine.kv.handoff import KVHandoff, Slots
 from pdserve.engine.kv.peers import PeerDirectory
 from pdserve.engine.kv.pool import KVBlockPool
 from pdserve.engine.kv.prefix_cache import PrefixCache
 from pdserve.engine.kv.transport import NixlTransport
-from pdserve.engine.models import LlamaForCausalLM, load_model, model_config
+from pdserve.engine.models import KVCache, LlamaForCausalLM, load_model, model_config
 from pdserve.engine.spec import EngineSpec, KVTransferSpec
 from pdserve.engine.step_loop import StepLoop
 from pdserve.engine.threads import configure_torch_threads
@@ -146,8 +146,20 @@ class TorchSetup:
         )
         model = load_model(self.facts.path, self.dtype, self.info.max_model_len, batch_invariant=self.batch_invariant)
         prefix_cache = self._prefix_cache(model)
-        kv = self._kv_handoff(model, prefix_cache) if self.kv_transfer is not None else None
-        return StepLoop(model, self.info, self.seed, kv, prefix_cache)
+        spec = self.kv_transfer
+        if spec is None:
+            return StepLoop(model, self.info, self.seed, None, prefix_cache)
+        layout = self._layout(model, spec.block_size)
+
+        def handoff(cache: KVCache, slots: Slots) -> KVHandoff:
+            """The KV cache registered with NIXL as it is, and the hand-off's bookkeeping; ``info.kv`` says where
+            to pull from."""
+            transport = NixlTransport(spec.engine_id, cache, layout)
+            self.info.kv = transport.agent_info()
+            return KVHandoff(spec, transport, PeerDirectory(layout, spec.api_key), slots, prefix_cache=prefix_cache)
+
+        handoff_slots = spec.handoff_slots if spec.handoff_slots is not None else self.info.max_num_seqs
+        return StepLoop(model, self.info, self.seed, handoff, prefix_cache, handoff_slots)
 
     def _layout(self, model: LlamaForCausalLM, block_size: int) -> KVLayout:
         cfg = model.cfg
@@ -163,18 +175,6 @@ class TorchSetup:
         if not blocks or not size:
             return None
         return PrefixCache(KVBlockPool(self._layout(model, size), blocks, self.dtype))
-
-    def _kv_handoff(self, model: LlamaForCausalLM, prefix_cache: PrefixCache | None) -> KVHandoff:
-        """The block pool, registered with NIXL, and its bookkeeping; ``info.kv`` says where to pull from."""
-        spec = self.kv_transfer
-        assert spec is not None
-        layout = self._layout(model, spec.block_size)
-        tokens = spec.pool_tokens or self.info.max_num_seqs * self.info.max_model_len
-        pool = KVBlockPool(layout, layout.blocks_for(tokens), self.dtype)
-        transport = NixlTransport(spec.engine_id, pool)
-        self.info.kv = transport.agent_info()
-        return KVHandoff(spec, pool, transport, PeerDirectory(layout, spec.api_key), prefix_cache=prefix_cache)
-
 
 class TorchEngine(InProcessCore):
     """In-process engine: the engine loop on a thread of this process that owns the model (see module

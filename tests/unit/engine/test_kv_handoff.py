@@ -1,8 +1,10 @@
-"""The KV hand-off pieces on their own: the block pool's copies, lease and pull bookkeeping (NIXL and the
-peer fetch replaced by fakes; the real ones run in tests/e2e/test_kv_handoff.py), the wire params."""
+"""The KV hand-off pieces on their own: slot-to-slot descriptors (and a real NIXL READ between two caches in this
+process), lease and pull bookkeeping over a real scheduler's slots (NIXL and the peer fetch replaced by fakes;
+the real servers run in tests/e2e/test_kv_handoff.py), the prefix cache's block copies, the wire params."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import msgspec
@@ -15,11 +17,12 @@ from pdserve.engine.kv.handoff import KVHandoff, PullProgress
 from pdserve.engine.kv.peers import PeerDirectory
 from pdserve.engine.kv.pool import KVBlockPool
 from pdserve.engine.kv.prefix_cache import PrefixCache, block_hashes
-from pdserve.engine.kv.transport import TransferError
+from pdserve.engine.kv.transport import NixlTransport, TransferError, slot_descriptors
 from pdserve.engine.models import KVCache, ModelConfig
+from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.spec import KVTransferSpec
 from pdserve.protocol.errors import RequestError
-from pdserve.protocol.kv import KVAgentInfo, KVLayout, KVPull, parse_kv_transfer_params, prefill_params
+from pdserve.protocol.kv import KVAgentInfo, KVLayout, KVPull, parse_kv_transfer_params, prefill_params, slot_block_ids
 from tests.waiting import wait_until
 
 CFG = ModelConfig(
@@ -31,30 +34,64 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=
 SPEC = KVTransferSpec(engine_id="engine-a", host="127.0.0.1", port=8000, lease_s=10.0)
 
 
-def filled_cache(slots: int = 3, max_len: int = 40) -> KVCache:
+def filled_cache(slots: int = 3, max_len: int = 40, seed: int = 0) -> KVCache:
     cache = KVCache(CFG, slots, max_len, torch.float32)
-    cache.data.copy_(torch.randn(cache.data.shape, generator=torch.Generator().manual_seed(0)))
+    cache.data.copy_(torch.randn(cache.data.shape, generator=torch.Generator().manual_seed(seed)))
     return cache
 
 
-@given(num_tokens=st.integers(0, 40), src=st.integers(0, 2), dst=st.integers(0, 2), scramble=st.randoms(),
-       runs=st.booleans())
-def test_save_then_load_moves_exactly_the_prompt_positions(num_tokens, src, dst, scramble, runs) -> None:  # type: ignore[no-untyped-def]
-    cache, other = filled_cache(), KVCache(CFG, 3, 40, torch.float32)
-    pool = KVBlockPool(LAYOUT, 12, torch.float32)
-    order = list(range(12))
-    if runs:  # consecutive stretches (copied as one strided run each) in scrambled order
-        cut = sorted(scramble.sample(range(1, 12), 3))
-        stretches = [order[a:b] for a, b in zip([0, *cut], [*cut, 12], strict=True)]
-        scramble.shuffle(stretches)
-        order = [block for stretch in stretches for block in stretch]
-    else:
-        scramble.shuffle(order)  # blocks need not be contiguous or ordered
-    blocks = order[: LAYOUT.blocks_for(num_tokens)]
-    pool.save(cache, src, num_tokens, blocks)
-    pool.load(other, dst, num_tokens, blocks)
-    assert torch.equal(other.data[:, :, dst, :, :num_tokens], cache.data[:, :, src, :, :num_tokens])
-    assert not other.data[:, :, dst, :, num_tokens:].any()  # nothing past the prompt was written
+def described(cache: KVCache, descriptors: list[tuple[int, int, int]]) -> torch.Tensor:
+    """The numbers ``descriptors`` name in ``cache``, read through their addresses, in descriptor order."""
+    base, flat = cache.data.data_ptr(), cache.data.view(-1)
+    parts = []
+    for address, size, device in descriptors:
+        assert device == 0 and (address - base) % 4 == 0 and size % 4 == 0
+        start = (address - base) // 4
+        parts.append(flat[start : start + size // 4])
+    return torch.cat(parts)
+
+
+@given(slots=st.integers(1, 4), max_len=st.integers(1, 40), data=st.data())
+def test_slot_descriptors_name_exactly_a_slots_positions_run_by_run(slots, max_len, data) -> None:  # type: ignore[no-untyped-def]
+    """Each descriptor is one (keys or values, layer, KV head)'s positions [start, end) of the slot, so two caches
+    of different slot counts and lengths pair up run by run (what a READ between engines relies on)."""
+    cache = filled_cache(slots, max_len)
+    slot = data.draw(st.integers(0, slots - 1))
+    end = data.draw(st.integers(1, max_len))
+    start = data.draw(st.integers(0, end - 1))
+    descriptors = slot_descriptors(cache.data.data_ptr(), slots, max_len, LAYOUT, slot, start, end)
+    assert len(descriptors) == 2 * LAYOUT.num_layers * LAYOUT.num_kv_heads
+    assert {size for _, size, _ in descriptors} == {(end - start) * LAYOUT.row_bytes}
+    assert torch.equal(described(cache, descriptors), cache.data[:, :, slot, :, start:end].reshape(-1))
+
+
+def test_wire_blocks_name_the_first_positions_of_one_slot() -> None:
+    info = KVAgentInfo(engine_id="e", backend="nixl", agent_metadata=b"", base_address=0, num_slots=3,
+                       slot_positions=40, layout=LAYOUT)  # 10 blocks of 4 per slot
+    assert slot_block_ids(2, 9, 40, 4) == [20, 21, 22] and info.slot_of([20, 21, 22], 9) == 2
+    assert info.slot_of([0], 1) == 0
+    for blocks, tokens in (([30, 31, 32], 9), ([21, 22, 23], 9), ([20, 22, 21], 9), ([], 1), ([0] * 11, 41)):
+        with pytest.raises(ValueError, match="remote block ids"):
+            info.slot_of(blocks, tokens)
+
+
+def test_a_real_nixl_read_brings_a_slots_positions_into_another_cache() -> None:
+    """Two NIXL agents in this process, each with its own cache registered as it is (other slot counts and
+    lengths): a READ of positions [5, 23) of slot 2 lands in those positions of slot 0, nothing else is written,
+    and the source engine gets the notification."""
+    source, target = filled_cache(slots=3, max_len=40, seed=1), KVCache(CFG, 2, 32, torch.float32)
+    prefill = NixlTransport(f"prefill-{uuid.uuid4().hex[:8]}", source, LAYOUT)
+    decode = NixlTransport(f"decode-{uuid.uuid4().hex[:8]}", target, LAYOUT)
+    handle = decode.start_read(prefill.agent_info(), 2, 0, 5, 23, b"lease-1")
+    wait_until(lambda: decode.state(handle, prefill.engine_id) != "PROC", "the READ finished")
+    assert decode.state(handle, prefill.engine_id) == "DONE"
+    decode.release(handle)
+    assert torch.equal(target.data[:, :, 0, :, 5:23], source.data[:, :, 2, :, 5:23])
+    target.data[:, :, 0, :, 5:23] = 0
+    assert not target.data.any()
+    notes: list[bytes] = []
+    wait_until(lambda: notes.extend(prefill.notifications()) or notes, "the prefill agent was notified")
+    assert notes == [b"lease-1"]
 
 
 @given(indices=st.lists(st.integers(0, 9), unique=True, min_size=1, max_size=9).map(sorted), first=st.integers(0, 2),
@@ -78,28 +115,19 @@ def test_blocks_of_a_slot_go_to_the_pool_blocks_paired_with_them_and_back(indice
     assert not other.data[:, :, 1, :, :size].any() and not other.data[:, :, 1, :, end:].any()
 
 
-def test_pool_allocates_whole_blocks_until_full_and_frees() -> None:
-    pool = KVBlockPool(LAYOUT, 5, torch.float32)
-    a = pool.allocate(9)  # 3 blocks of 4
-    assert a is not None and len(a) == 3 and pool.num_free == 2
-    assert pool.allocate(9) is None and pool.num_free == 2
-    pool.free(a)
-    assert pool.num_free == 5
-    assert LAYOUT.block_bytes == 2 * 2 * 2 * 4 * 8 * 4
-    assert pool.block_address(2) - pool.block_address(0) == 2 * LAYOUT.block_bytes
-
-
 class FakeTransport:
-    """The NIXL calls, scripted: states to report per READ, notifications to deliver."""
+    """The NIXL calls over a real cache, scripted: states to report per READ, notifications to deliver."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache: KVCache) -> None:
+        self.cache, self.layout = cache, LAYOUT
         self.states: list[str] = []
         self.notes: list[bytes] = []
-        self.reads: list[tuple[list[int], list[int], bytes]] = []
+        self.reads: list[tuple[int, int, int, int, bytes]] = []  # remote slot, local slot, start, end, notify
         self.released = 0
 
-    def start_read(self, remote: KVAgentInfo, remote_blocks: list[int], local_blocks: list[int], notify: bytes) -> Any:
-        self.reads.append((remote_blocks, local_blocks, notify))
+    def start_read(self, remote: KVAgentInfo, remote_slot: int, local_slot: int, start: int, end: int,
+                   notify: bytes) -> Any:
+        self.reads.append((remote_slot, local_slot, start, end, notify))
         return object()
 
     def state(self, handle: Any, remote_engine_id: str) -> str:
@@ -130,8 +158,10 @@ class FakePeers:
         pass
 
 
-REMOTE = KVAgentInfo(engine_id="engine-b", backend="nixl", agent_metadata=b"md", base_address=1 << 20,
-                     num_blocks=64, layout=LAYOUT)
+# A prefill engine of 8 slots of 40 positions: 10 blocks of 4 per slot, so slot 1 holds blocks 10-19.
+REMOTE = KVAgentInfo(engine_id="engine-b", backend="nixl", agent_metadata=b"md", base_address=1 << 20, num_slots=8,
+                     slot_positions=40, layout=LAYOUT)
+SLOTS = 4  # this engine's: 2 for the running batch, 2 for hand-offs
 
 
 class Clock:
@@ -142,135 +172,141 @@ class Clock:
         return self.now
 
 
-def handoff(blocks: int = 8, peers: FakePeers | None = None) -> tuple[KVHandoff, FakeTransport, Clock]:
-    transport, clock = FakeTransport(), Clock()
-    kv = KVHandoff(SPEC, KVBlockPool(LAYOUT, blocks, torch.float32), transport,  # type: ignore[arg-type]
-                   peers or FakePeers(REMOTE), clock=clock, wall=clock)  # type: ignore[arg-type]
-    return kv, transport, clock
+class Parts:
+    """A hand-off over a real scheduler's slots and a real cache."""
+
+    def __init__(self, peers: FakePeers | None = None, prefix: PrefixCache | None = None) -> None:
+        self.cache = filled_cache(SLOTS)
+        self.scheduler: Scheduler[Any, Any] = Scheduler(2, SLOTS)
+        self.transport, self.clock = FakeTransport(self.cache), Clock()
+        self.kv = KVHandoff(SPEC, self.transport, peers or FakePeers(REMOTE), self.scheduler,  # type: ignore[arg-type]
+                            clock=self.clock, wall=self.clock, prefix_cache=prefix)
 
 
 def pull(num_tokens: int = 10, blocks: list[int] | None = None, expiry: float | None = 2000.0) -> KVPull:
-    return KVPull(remote_engine_id="engine-b", remote_request_id="r@0", block_ids=blocks or [7, 8, 9],
+    return KVPull(remote_engine_id="engine-b", remote_request_id="r@0", block_ids=blocks or [10, 11, 12],
                   num_tokens=num_tokens, host="h", port=1, expiry_time=expiry)
 
 
-def test_export_leases_the_blocks_until_the_pulled_notification() -> None:
-    kv, transport, _ = handoff()
-    assert kv.reserve("req", 10)
-    params = kv.export("req", filled_cache(), 0, 10)
+def test_export_leases_the_slot_until_the_pulled_notification() -> None:
+    parts = Parts()
+    kv, sched = parts.kv, parts.scheduler
+    slot = sched.take_slot()  # as the finished prefill leg's slot, held by Scheduler.hold
+    assert slot == 0
+    params = kv.export("req", slot, 10)
     assert params["remote_block_ids"] == [[0, 1, 2]] and params["remote_num_tokens"] == 10
     assert params["remote_engine_id"] == "engine-a" and params["remote_blocks_expiry_time"] == 1010.0
-    assert kv.stats().held_blocks == 3 and kv.stats().held_requests == 1
-    transport.notes = [b"someone-else@9", params["remote_request_id"].encode()]
+    s = kv.stats()
+    assert (s.held_blocks, s.held_requests, s.slots, s.free_slots) == (3, 1, SLOTS, SLOTS - 1)
+    parts.transport.notes = [b"someone-else@9", params["remote_request_id"].encode()]
     kv.poll()
     s = kv.stats()
-    assert (s.held_blocks, s.free_blocks, s.leases_pulled, s.leases_expired) == (0, 8, 1, 0)
+    assert (s.held_blocks, s.free_slots, s.leases_pulled, s.leases_expired) == (0, SLOTS, 1, 0)
+    assert sched.held == set()
 
 
 def test_a_reused_request_id_gets_a_lease_of_its_own() -> None:
-    kv, _, _ = handoff()
-    ids = []
-    for _ in range(2):
-        assert kv.reserve("same", 4)
-        ids.append(kv.export("same", filled_cache(), 0, 4)["remote_request_id"])
-    assert ids[0] != ids[1] and kv.stats().held_requests == 2
+    parts = Parts()
+    ids = [parts.kv.export("same", parts.scheduler.take_slot() or 0, 4)["remote_request_id"] for _ in range(2)]
+    assert ids[0] != ids[1] and parts.kv.stats().held_requests == 2
 
 
-def test_unpulled_leases_expire_and_free_their_blocks() -> None:
-    kv, _, clock = handoff()
-    assert kv.reserve("req", 10)
-    kv.export("req", filled_cache(), 0, 10)
-    clock.now += 9.9
+def test_unpulled_leases_expire_and_free_their_slots() -> None:
+    parts = Parts()
+    kv = parts.kv
+    slot = parts.scheduler.take_slot()
+    assert slot is not None
+    kv.export("req", slot, 10)
+    parts.clock.now += 9.9
     kv.poll()
     assert kv.stats().held_blocks == 3
-    clock.now += 0.2
+    parts.clock.now += 0.2
     kv.poll()
     s = kv.stats()
-    assert (s.held_blocks, s.free_blocks, s.leases_expired) == (0, 8, 1)
+    assert (s.held_blocks, s.free_slots, s.leases_expired) == (0, SLOTS, 1)
 
 
-def test_held_kv_counts_against_capacity() -> None:
-    kv, _, _ = handoff(blocks=4)
-    assert kv.reserve("a", 12)  # 3 of 4 blocks
-    assert not kv.reserve("b", 8)
-    kv.cancel("a")
-    assert kv.reserve("b", 8)
-
-
-def test_a_pull_reads_into_local_blocks_notifies_and_loads() -> None:
-    kv, transport, _ = handoff()
+def test_a_pull_reads_the_remote_slot_into_a_slot_it_holds_and_hands_it_over() -> None:
+    parts = Parts()
+    kv, transport, sched = parts.kv, parts.transport, parts.scheduler
     assert kv.begin_pull("dec", pull(), prompt_len=10) is None
     assert kv.pending() and kv.advance().ready == []  # READ started, still running
-    (remote_blocks, local_blocks, note), = transport.reads
-    assert remote_blocks == [7, 8, 9] and len(local_blocks) == 3 and note == b"r@0"
+    assert transport.reads == [(1, 0, 0, 10, b"r@0")]  # remote slot 1, positions [0, 10), into local slot 0
+    assert sched.held == {0} and sched.free_slots == SLOTS - 1
     transport.states = ["DONE"]
     assert kv.advance().ready == ["dec"]
-    target = KVCache(CFG, 1, 40, torch.float32)
-    kv.pool.data[local_blocks[0]] = 1.0
-    kv.load("dec", target, 0, 10)
-    assert target.data[:, :, 0, :, :4].eq(1.0).all() and not kv.pending()
+    assert kv.landed_slot("dec") == 0
+    loaded = kv.load("dec")
+    assert (loaded.reused_tokens, loaded.bytes) == (0, 10 * LAYOUT.position_bytes) and not kv.pending()
+    assert sched.held == {0}  # the request's now: the step loop places it there
     s = kv.stats()
-    assert (s.pulls_ok, s.pulled_blocks, s.pulled_tokens, s.pulled_bytes) == (1, 3, 10, 3 * LAYOUT.block_bytes)
-    assert s.free_blocks == 8 and sum(s.pull_seconds_counts) == 1
+    assert (s.pulls_ok, s.pulled_blocks, s.pulled_tokens, s.pulled_bytes) == (1, 3, 10, 10 * LAYOUT.position_bytes)
+    assert sum(s.pull_seconds_counts) == 1
 
 
-def test_a_pull_reads_only_the_blocks_the_prefix_cache_lacks() -> None:
+def test_a_pull_reads_only_the_positions_the_prefix_cache_lacks() -> None:
     """A decode leg whose prompt starts with blocks this engine cached READs the rest only; the cached ones
-    are copied from the cache. Its last block is always READ (the READ's notification frees the lease)."""
-    transport, clock = FakeTransport(), Clock()
+    are copied from the cache into its slot. Its last position is always READ (the READ's notification frees the
+    lease)."""
     prefix = PrefixCache(KVBlockPool(LAYOUT, 16, torch.float32))
-    kv = KVHandoff(SPEC, KVBlockPool(LAYOUT, 8, torch.float32), transport,  # type: ignore[arg-type]
-                   FakePeers(REMOTE), clock=clock, wall=clock, prefix_cache=prefix)  # type: ignore[arg-type]
+    parts = Parts(prefix=prefix)
+    kv, transport = parts.kv, parts.transport
     prompt = list(range(20, 32))  # 12 tokens: 3 blocks of 4
     keys = block_hashes(prompt, LAYOUT.block_size, None)
-    source = filled_cache()
+    source = filled_cache(seed=3)
     prefix.store(keys[:2], source, 1, 8)  # the first two blocks, from an earlier request
-    kv.begin_pull("dec", pull(num_tokens=12, blocks=[7, 8, 9]), 12, keys)
+    kv.begin_pull("dec", pull(num_tokens=12, blocks=[10, 11, 12]), 12, keys)
     kv.advance()
-    (remote_blocks, local_blocks, _), = transport.reads
-    assert remote_blocks == [9] and len(local_blocks) == 1
-    kv.pool.data[local_blocks[0]] = 5.0  # what the READ brought
+    assert transport.reads == [(1, 0, 8, 12, b"r@0")]
+    assert torch.equal(parts.cache.data[:, :, 0, :, :8], source.data[:, :, 1, :, :8])
     transport.states = ["DONE"]
     assert kv.advance().ready == ["dec"]
-    target = KVCache(CFG, 1, 40, torch.float32)
-    loaded = kv.load("dec", target, 0, 12)
-    assert (loaded.reused_tokens, loaded.bytes) == (8, LAYOUT.block_bytes)  # one block READ, two reused
-    assert torch.equal(target.data[:, :, 0, :, :8], source.data[:, :, 1, :, :8])
-    assert target.data[:, :, 0, :, 8:12].eq(5.0).all()
+    loaded = kv.load("dec")
+    assert (loaded.reused_tokens, loaded.bytes) == (8, 4 * LAYOUT.position_bytes)  # one block READ, two reused
     s = kv.stats()
     assert (s.pulled_blocks, s.local_prefix_blocks, s.pulled_tokens) == (1, 2, 4)
-    kv.begin_pull("whole", pull(num_tokens=8, blocks=[3, 4]), 8, keys[:2])  # all cached: the last block still READ
+    kv.begin_pull("whole", pull(num_tokens=8, blocks=[10, 11]), 8, keys[:2])  # all cached: the last block READ
     kv.advance()
-    assert transport.reads[-1][0] == [4]
+    assert transport.reads[-1][2:4] == (4, 8)
 
 
-def test_a_landed_pull_that_waits_for_a_slot_is_never_read_again() -> None:
-    """The fleet soak's wrong answers (issue 29): a pulled decode leg waiting for an engine slot had its READ
-    started again every step, from remote blocks the prefill engine had freed on the first READ's
-    notification and refilled with another prompt's KV."""
-    kv, transport, _ = handoff()
+def test_a_landed_pull_that_waits_for_room_is_never_read_again() -> None:
+    """The fleet soak's wrong answers (issue 29): a pulled decode leg waiting for room in the running batch had
+    its READ started again every step, from remote KV the prefill engine had freed on the first READ's
+    notification and refilled with another prompt's."""
+    parts = Parts()
+    kv, transport = parts.kv, parts.transport
     kv.begin_pull("dec", pull(), prompt_len=10)
     kv.advance()
     transport.states = ["DONE"]
     assert kv.advance().ready == ["dec"]
-    (_, local_blocks, _), = transport.reads
-    kv.pool.data[local_blocks] = 2.0  # what the READ brought
-    for _ in range(3):  # steps while every slot is taken
+    for _ in range(3):  # steps while the running batch is full
         assert kv.advance() == PullProgress()
     assert len(transport.reads) == 1 and not kv.pending() and kv.waiting_for("dec")
-    target = KVCache(CFG, 1, 40, torch.float32)
-    kv.load("dec", target, 0, 10)
-    assert target.data[:, :, 0, :, :10].eq(2.0).all() and kv.stats().free_blocks == 8
+    kv.load("dec")
+    assert parts.scheduler.held == {0}
 
 
-def test_an_aborted_landed_pull_frees_its_blocks() -> None:
-    kv, transport, _ = handoff()
+def test_a_pull_waits_for_a_free_slot() -> None:
+    parts = Parts()
+    taken = [parts.scheduler.take_slot() for _ in range(SLOTS)]
+    assert None not in taken
+    parts.kv.begin_pull("dec", pull(), 10)
+    assert parts.kv.advance() == PullProgress() and parts.transport.reads == [] and parts.kv.pending()
+    parts.scheduler.free_slot(2)
+    parts.kv.advance()
+    assert parts.transport.reads == [(1, 2, 0, 10, b"r@0")]
+
+
+def test_an_aborted_landed_pull_frees_its_slot() -> None:
+    parts = Parts()
+    kv, transport = parts.kv, parts.transport
     kv.begin_pull("dec", pull(), prompt_len=10)
     kv.advance()
     transport.states = ["DONE"]
     kv.advance()
     kv.drop("dec")
-    assert kv.stats().free_blocks == 8 and not kv.waiting_for("dec") and kv.advance() == PullProgress()
+    assert kv.stats().free_slots == SLOTS and not kv.waiting_for("dec") and kv.advance() == PullProgress()
 
 
 @pytest.mark.parametrize(
@@ -282,56 +318,59 @@ def test_an_aborted_landed_pull_frees_its_blocks() -> None:
     ],
 )
 def test_pulls_that_cannot_work_are_refused_before_anything_is_held(the_pull, prompt_len, why) -> None:  # type: ignore[no-untyped-def]
-    kv, transport, _ = handoff()
-    problem = kv.begin_pull("dec", the_pull, prompt_len)
+    parts = Parts()
+    problem = parts.kv.begin_pull("dec", the_pull, prompt_len)
     assert problem is not None and why in problem
-    assert not kv.pending() and transport.reads == [] and kv.stats().free_blocks == 8
+    assert not parts.kv.pending() and parts.transport.reads == [] and parts.kv.stats().free_slots == SLOTS
 
 
-def test_failed_reads_and_unreachable_peers_fail_the_pull_and_free_the_blocks() -> None:
-    kv, transport, _ = handoff()
+def test_failed_reads_and_unreachable_peers_fail_the_pull_and_free_the_slot() -> None:
+    parts = Parts()
+    kv, transport = parts.kv, parts.transport
     kv.begin_pull("dec", pull(), 10)
     kv.advance()
     transport.states = ["ERR"]
     progress = kv.advance()
     assert progress.failed and "failed" in progress.failed[0][1]
-    assert kv.stats().free_blocks == 8 and kv.stats().pulls_failed == 1 and not kv.pending()
-    gone = FakePeers(TransferError("fetching the prefill engine's KV metadata failed"))
-    kv2, transport2, _ = handoff(peers=gone)
-    kv2.begin_pull("dec", pull(), 10)
-    assert kv2.advance().failed == [("dec", "fetching the prefill engine's KV metadata failed")]
-    assert transport2.reads == []
+    assert kv.stats().free_slots == SLOTS and kv.stats().pulls_failed == 1 and not kv.pending()
+    gone = Parts(peers=FakePeers(TransferError("fetching the prefill engine's KV metadata failed")))
+    gone.kv.begin_pull("dec", pull(), 10)
+    assert gone.kv.advance().failed == [("dec", "fetching the prefill engine's KV metadata failed")]
+    assert gone.transport.reads == []
 
 
-def test_out_of_range_remote_blocks_fail_without_a_read() -> None:
-    kv, transport, _ = handoff()
-    kv.begin_pull("dec", pull(blocks=[1, 2, 64]), 10)
-    assert "below the prefill pool's 64 blocks" in kv.advance().failed[0][1]
-    assert transport.reads == []
+@pytest.mark.parametrize("blocks", [[80, 81, 82], [11, 12, 13], [10, 12, 11]])
+def test_remote_blocks_that_are_not_one_slots_first_fail_without_a_read(blocks) -> None:  # type: ignore[no-untyped-def]
+    parts = Parts()
+    parts.kv.begin_pull("dec", pull(blocks=blocks), 10)
+    assert "remote block ids" in parts.kv.advance().failed[0][1]
+    assert parts.transport.reads == [] and parts.kv.stats().free_slots == SLOTS
 
 
-def test_a_hung_read_fails_but_keeps_its_blocks_until_nixl_lets_go() -> None:
-    kv, transport, clock = handoff()
+def test_a_hung_read_fails_but_keeps_its_slot_until_nixl_lets_go() -> None:
+    parts = Parts()
+    kv, transport = parts.kv, parts.transport
     kv.begin_pull("dec", pull(), 10)
     kv.advance()
-    clock.now += SPEC.pull_timeout_s + 1
+    parts.clock.now += SPEC.pull_timeout_s + 1
     assert kv.advance().failed[0][0] == "dec"
-    assert kv.stats().free_blocks == 5  # a late write must not land in blocks given to someone else
+    assert kv.stats().free_slots == SLOTS - 1  # a late write must not land in a slot given to someone else
     assert kv.advance().failed == []  # reported once
     transport.states = ["DONE"]
     kv.advance()
-    assert kv.stats().free_blocks == 8 and not kv.pending()
+    assert kv.stats().free_slots == SLOTS and not kv.pending()
 
 
-def test_an_aborted_pull_frees_its_blocks() -> None:
-    kv, transport, _ = handoff()
+def test_an_aborted_pull_frees_its_slot() -> None:
+    parts = Parts()
+    kv, transport = parts.kv, parts.transport
     kv.begin_pull("dec", pull(), 10)
     kv.advance()
     kv.drop("dec")
     assert not kv.waiting_for("dec")
     transport.states = ["DONE"]
     assert kv.advance().ready == []
-    assert kv.stats().free_blocks == 8 and not kv.pending()
+    assert kv.stats().free_slots == SLOTS and not kv.pending()
 
 
 def test_the_prefill_response_params_parse_back_into_the_decode_leg_pull() -> None:

@@ -1,5 +1,5 @@
 """Scheduler bookkeeping: FCFS admission by free slots and the step's token budget, one chunked prefill at a
-time with its slots reserved, slots that stay put."""
+time with its slots reserved, slots that stay put, slots a KV hand-off holds beside the running batch."""
 
 from dataclasses import dataclass
 
@@ -13,6 +13,7 @@ class Req:
     request_id: str
     num_seqs: int = 1
     prompt_len: int = 10
+    held_slot: int | None = None
 
 
 def prompt_cost(r: Req) -> int:  # the cost the step loop passes: prompt tokens to compute
@@ -103,3 +104,44 @@ def test_remove_waiting_and_limits() -> None:
     assert s.remove_waiting("a") is None and not s.has_work()
     with pytest.raises(ValueError, match="max_num_seqs"):
         s.add(Req("too-wide", num_seqs=3))
+
+
+def test_held_slots_stay_taken_and_count_against_slots_not_the_running_batch() -> None:
+    """With a KV hand-off the cache has slots beyond max_num_seqs: a finished prefill leg's slot stays held (its
+    KV waits there for the pull), a pull takes one to READ into; neither counts against max_num_seqs."""
+    s: Scheduler[Req, Seq] = Scheduler(max_num_seqs=2, num_slots=4)
+    leg = Seq("prefill-leg")
+    s.place(leg)
+    assert s.hold(leg) == 0 and leg.slot == -1 and s.running == [] and s.held == {0}
+    assert s.take_slot() == 1 and s.held == {0, 1} and s.free_slots == 2
+    for name in ("a", "b", "c"):
+        s.add(Req(name))
+    assert [r.request_id for r in s.admit(1000, prompt_cost)] == ["a", "b"]  # max_num_seqs, though slots are free
+    s.place(Seq("a"))
+    s.place(Seq("b"))
+    assert s.admit(1000, prompt_cost) == [] and s.take_slot() is None  # every slot taken
+    s.free_slot(0)
+    assert s.held == {1} and s.free_slots == 1
+    with pytest.raises(KeyError):
+        s.free_slot(0)
+
+
+def test_a_pulled_request_is_admitted_into_the_slot_its_kv_landed_in() -> None:
+    s: Scheduler[Req, Seq] = Scheduler(max_num_seqs=2, num_slots=3)
+    landed = s.take_slot()
+    assert landed == 0
+    s.place(Seq("x"))
+    s.place(Seq("y"))  # every free slot taken; the running batch is full
+    s.add(Req("pulled", num_seqs=1, held_slot=landed))
+    assert s.admit(1000, lambda r: 0) == []  # no room in the running batch yet
+    s.release(s.running[0])
+    other_pull = s.take_slot()  # and no free slot: it needs none
+    assert [r.request_id for r in s.admit(1000, lambda r: 0)] == ["pulled"]
+    assert s.place(Seq("pulled"), landed) == 0 and s.held == {other_pull}
+    s.add(Req("pair", num_seqs=2, held_slot=None))
+    assert s.admit(1000, lambda r: 0) == []  # its siblings need free slots
+
+
+def test_the_cache_has_at_least_the_running_batchs_slots() -> None:
+    with pytest.raises(ValueError, match="max_num_seqs slots"):
+        Scheduler(max_num_seqs=4, num_slots=3)

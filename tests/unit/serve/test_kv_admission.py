@@ -20,7 +20,7 @@ VLLM_PREFILL_OUT = {
     "remote_request_id": "cmpl-1", "remote_host": "localhost", "remote_port": 5601, "tp_size": 1, "dcp_size": 1,
 }
 PDSERVE_AGENT = KVAgentInfo(
-    engine_id="pd", backend="nixl", agent_metadata=b"", base_address=0, num_blocks=8,
+    engine_id="pd", backend="nixl", agent_metadata=b"", base_address=0, num_slots=2, slot_positions=64,
     layout=KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, dtype="float32", itemsize=4),
 )
 

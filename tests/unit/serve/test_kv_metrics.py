@@ -9,7 +9,7 @@ from pdserve.protocol.engine import EngineInfo, EngineStats
 from pdserve.protocol.kv import KVAgentInfo, KVLayout, KVStats
 from pdserve.serve.metrics import Metrics
 
-POOL = KVAgentInfo(engine_id="e", backend="nixl", agent_metadata=b"", base_address=0, num_blocks=64,
+POOL = KVAgentInfo(engine_id="e", backend="nixl", agent_metadata=b"", base_address=0, num_slots=4, slot_positions=64,
                    layout=KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, dtype="float32", itemsize=4))
 
 
@@ -21,13 +21,13 @@ def scrape(stats: EngineStats, pool: KVAgentInfo | None, prefix_cache_blocks: in
 
 def test_series_exist_before_the_first_heartbeat_and_only_with_kv_transfer() -> None:
     text = scrape(EngineStats(), POOL)
-    assert "pdserve_kv_pool_blocks 64.0" in text and "pdserve_kv_free_blocks 64.0" in text
+    assert "pdserve_kv_slots 4.0" in text and "pdserve_kv_free_slots 4.0" in text
     assert "pdserve_kv_pulled_bytes_total 0.0" in text
     assert "pdserve_kv_" not in scrape(EngineStats(), None)
 
 
 def test_engine_counters_and_a_cumulative_histogram() -> None:
-    kv = KVStats(pool_blocks=64, free_blocks=60, held_blocks=4, pulls_ok=3, pulled_bytes=4096)
+    kv = KVStats(slots=4, free_slots=3, held_blocks=4, pulls_ok=3, pulled_bytes=4096)
     for seconds in (0.0005, 0.004, 20.0):
         kv.observe_pull(seconds)
     text = scrape(EngineStats(kv=kv, prompt_tokens_computed=7), POOL)

@@ -57,7 +57,7 @@ class FakeMember:
     """A pdserve server's page: engine and KV stats through serve.metrics, plus TTFT/TPOT histograms."""
 
     def __init__(self, engine: bool = True) -> None:
-        self.stats = EngineStats(kv=KVStats(pool_blocks=64, free_blocks=64))
+        self.stats = EngineStats(kv=KVStats(slots=32, free_slots=32))
         self.metrics = Metrics(engine_stats=(lambda: self.stats) if engine else None)
         self.latency = CollectorRegistry()
         self.ttft = Histogram(TTFT[0], "time to first token", registry=self.latency)
