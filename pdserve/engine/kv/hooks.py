@@ -106,7 +106,6 @@ class KVHandoffHooks:
         self._exports: set[ScheduledRequest] = set()  # prefill legs: export the prompt's KV when they finish
         self._leased: set[ScheduledSequence] = set()  # finished prefill legs whose slot their lease keeps
         self._pulling: dict[str, ScheduledRequest] = {}  # decode legs whose KV is being pulled
-        self._pulled: set[ScheduledRequest] = set()  # decode legs whose prompt KV waits in their held slot
         # The prefill's KV of the last prompt position, until the first decode step has run it.
         self._tails: dict[ScheduledRequest, torch.Tensor] = {}
 
@@ -150,8 +149,7 @@ class KVHandoffHooks:
         for rid in progress.ready:
             req = self._pulling.pop(rid, None)
             if req is not None:
-                self._pulled.add(req)
-                req.held_slot = self.handoff.landed_slot(rid)
+                req.held_slot = self.handoff.landed_slot(rid)  # its KV waits there: it computes no prompt token
                 self._scheduler.add(req)
         for rid, reason in progress.failed:
             req = self._pulling.pop(rid, None)
@@ -162,16 +160,15 @@ class KVHandoffHooks:
 
     def pulled(self, req: ScheduledRequest) -> bool:
         """Its prompt's KV waits in its held slot: admitting it computes no prompt token."""
-        return req in self._pulled
+        return req.held_slot is not None
 
     def load_prompt(self, req: ScheduledRequest, live: list[ScheduledSequence]) -> bool:
         """A pulled decode leg's "prefill": its first live sequence was placed in the slot the KV landed in
         (nothing to copy); its siblings get copies. The last prompt position still runs through the model (in
         the next decode step) for the first token's logits; the KV that step writes for it is then replaced by
         the prefill's, so the cache holds exactly what a coupled server's prefill would have written."""
-        if req not in self._pulled:
+        if req.held_slot is None:
             return False
-        self._pulled.discard(req)
         n, cache = req.prompt_len, self._cache
         assert live[0].slot == req.held_slot
         req.held_slot = None
@@ -219,7 +216,6 @@ class KVHandoffHooks:
         self.handoff.drop(req.request_id)
         self._exports.discard(req)
         self._pulling.pop(req.request_id, None)
-        self._pulled.discard(req)
         req.held_slot = None
         self._tails.pop(req, None)
 
