@@ -8,7 +8,6 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
-from types import FrameType
 from typing import TYPE_CHECKING
 
 import httpx
@@ -21,7 +20,7 @@ from pdserve.proxy.modes import Mode
 from pdserve.proxy.pool import ADMIT_TIMEOUT_S, Admission, Member, Pool, check_pools
 from pdserve.proxy.preflight import member_refusal
 from pdserve.web.logs import configure_json_logging, serving, uvicorn_logging
-from pdserve.web.quiet_server import QuietServer
+from pdserve.web.quiet_server import DrainingServer
 
 if TYPE_CHECKING:  # loaded only with --otlp-traces-endpoint (it imports the OpenTelemetry SDK)
     from pdserve.proxy.tracing import ProxyTracing
@@ -60,7 +59,7 @@ def ready_banner(orch: Orchestrator, url: str) -> str:
     return "\n".join(lines)
 
 
-class _AnnouncingServer(QuietServer):
+class _AnnouncingServer(DrainingServer):
     """uvicorn that prints the banner once it accepts connections (after the first health check), and
     drains on the first SIGTERM/SIGINT: ``/health`` and new requests answer 503 at once, requests in flight
     get ``--shutdown-timeout`` seconds, streams still open then end with an error event naming the
@@ -76,28 +75,18 @@ class _AnnouncingServer(QuietServer):
         if not self.should_exit:
             print(ready_banner(self._orch, self._url), file=sys.stderr, flush=True)
 
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._orch.draining or self.should_exit or self._loop is None:
-            super().handle_exit(sig, frame)
-            return
-        self._captured_signals.append(sig)
-        self._orch.draining = True
-        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
-
-    async def _drain(self) -> None:
+    async def drain(self) -> None:
         orch = self._orch
+        orch.draining = True
         print(f"pdserve proxy: shutting down: refusing new requests; {orch.in_flight} in flight get "
               f"{self._shutdown_timeout_s:g} s to finish", file=sys.stderr, flush=True)
         deadline = time.monotonic() + self._shutdown_timeout_s
-        try:
-            while orch.in_flight and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            await orch.cut_streams(f"the proxy is shutting down and its --shutdown-timeout "
-                                   f"({self._shutdown_timeout_s:g} s) passed; send the request again to another proxy")
-            while orch.in_flight and time.monotonic() < deadline + 5:  # the cut streams write their last events
-                await asyncio.sleep(0.05)
-        finally:
-            self.should_exit = True
+        while orch.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await orch.cut_streams(f"the proxy is shutting down and its --shutdown-timeout "
+                               f"({self._shutdown_timeout_s:g} s) passed; send the request again to another proxy")
+        while orch.in_flight and time.monotonic() < deadline + 5:  # the cut streams write their last events
+            await asyncio.sleep(0.05)
 
 
 def decode_admission(mode: Mode) -> Admission:

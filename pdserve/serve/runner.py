@@ -13,7 +13,6 @@ Layouts:
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import json
 import logging
@@ -26,7 +25,6 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import msgspec
@@ -46,7 +44,7 @@ from pdserve.serve.state import AppState
 from pdserve.serve.tracing import PHASE_PATHS, configure_tracing
 from pdserve.text.tokenizer import Tokenizer
 from pdserve.web.logs import configure_json_logging, serving, uvicorn_logging
-from pdserve.web.quiet_server import QuietServer
+from pdserve.web.quiet_server import DrainingServer
 
 logger = logging.getLogger("pdserve")
 
@@ -142,7 +140,7 @@ def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
-class _PdserveServer(QuietServer):
+class _PdserveServer(DrainingServer):
     """uvicorn that prints the ready banner once it accepts connections (after the app's startup), and
     shuts down gracefully: the first SIGTERM/SIGINT drains (serve.inflight.drain: 503 for anything new,
     ``--shutdown-timeout`` for what runs, then an abort naming the shutdown), a second one stops at once."""
@@ -151,7 +149,6 @@ class _PdserveServer(QuietServer):
         super().__init__(config)
         self._announce = announce
         self._state = state
-        self._draining = False
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
@@ -159,15 +156,7 @@ class _PdserveServer(QuietServer):
         if self._announce is not None and not self.should_exit:
             print(self._announce(), file=sys.stderr, flush=True)
 
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._draining or self.should_exit or self._loop is None:
-            super().handle_exit(sig, frame)
-            return
-        self._captured_signals.append(sig)
-        self._draining = True
-        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
-
-    async def _drain(self) -> None:
+    async def drain(self) -> None:
         state = self._state
         timeout = state.config.shutdown_timeout_s
         logger.warning("pdserve: shutting down: refusing new requests; %d in flight get %.1f s to finish",
@@ -178,10 +167,7 @@ class _PdserveServer(QuietServer):
             if engine is not None:
                 await engine.abort(ids, ABORT_FOR_SHUTDOWN)
 
-        try:
-            await drain(state.inflight, timeout, abort)
-        finally:
-            self.should_exit = True
+        await drain(state.inflight, timeout, abort)
 
 
 def freeze_startup_heap() -> None:

@@ -12,9 +12,11 @@ headers when ``counter % 10 == 0`` and answers whether to stop, so every tick he
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import socket
+from types import FrameType
 
 import uvicorn
 
@@ -55,3 +57,34 @@ class QuietServer(uvicorn.Server):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), TICK_S)
             should_exit = await self.on_tick(counter)
+
+
+class DrainingServer(QuietServer, abc.ABC):
+    """A ``QuietServer`` that stops gracefully: the first SIGTERM/SIGINT runs ``drain`` on the serving loop
+    and stops the server when it returns; a second signal (or one before the loop runs) stops at once.
+
+    Why here: pdserve's server and proxy drain different things (engine requests, proxied streams) under
+    the same signal rules, and those rules lean on uvicorn's private ``_captured_signals`` (re-raised at
+    exit, so a supervisor sees the signal it sent)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._draining = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining or self.should_exit or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self._captured_signals.append(sig)
+        self._draining = True
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit()))
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self.drain()
+        finally:
+            self.should_exit = True
+
+    @abc.abstractmethod
+    async def drain(self) -> None:
+        """Refuse new work and let what runs finish (or cut it) within the server's shutdown timeout."""
