@@ -1,7 +1,7 @@
 """Parity: inline derender == derender(generate tokens) == coupled /v1/chat/completions, batch and streamed.
 
 A real server per parser setup (scripted engine replaying every case's output
-with the real Qwen3 tokenizer). For each case every surface is checked against
+with the real Qwen3 tokenizer), at one token per engine step and at three. For each case every surface is checked against
 the hand-written expectation in tests/fixtures/parser_cases.py and against each
 other (content, reasoning, tool calls by name + parsed arguments, finish_reason,
 stop_reason, logprob tokens/bytes).
@@ -31,7 +31,12 @@ for _case in ALL_CASES:  # pdserve's cases and the restated vLLM parser-test cas
         SETUPS[_setup.label] = _setup
         CASES_BY_SETUP[_setup.label].append(_case)
 
-PARAMS = [(label, case) for label, cases in CASES_BY_SETUP.items() for case in cases]
+# Every case of every setup on the server of one token per step; on the server of three (multi-token deltas
+# into the parsers and the streams) the longest case of each setup. That the parsers fold any chunking of any
+# case into the batch answer is tests/unit/parsers/test_parser_cases.py's property; here the surfaces.
+PARAMS = [(1, label, case) for label, cases in CASES_BY_SETUP.items() for case in cases] + [
+    (3, label, max(cases, key=lambda c: len(c.output))) for label, cases in CASES_BY_SETUP.items()
+]
 
 
 class Servers:
@@ -159,8 +164,10 @@ def stream_logprobs(choices: list[dict[str, Any]]) -> list | None:
     return logprob_view(out) if seen else None
 
 
-@pytest.mark.parametrize(("label", "case"), PARAMS, ids=[f"{label}-{case.name}" for label, case in PARAMS])
-def test_chat_parity(servers: Servers, label: str, case: ParserCase) -> None:
+@pytest.mark.parametrize(("tokens_per_step", "label", "case"), PARAMS,
+                         ids=[f"{k}-per-step-{label}-{case.name}" for k, label, case in PARAMS])
+def test_chat_parity(by_step: Callable[[int], Servers], tokens_per_step: int, label: str, case: ParserCase) -> None:
+    servers = by_step(tokens_per_step)
     servers.start_all(list(CASES_BY_SETUP))  # the matrix uses every setup: start them together, once
     srv = servers.get(label)
     want = expected(case)
