@@ -134,13 +134,14 @@ def test_decode_legs_that_queue_for_a_slot_decode_their_own_prompts_kv(servers) 
     fix of issue 29 a waiting leg READ its KV again every step and decoded from another prompt's KV."""
     p, d = servers["prefill"], servers["narrow"]
     batch = [ids[:64] for ids in prompts(8, seed=7)]
+    short = {"max_tokens": 12, "temperature": 0}  # the one slot decodes the 16 answers one after another
 
     def via_pd(token_ids: list[int]) -> list[int]:
-        return answer(post(d, decode_body(token_ids, prefill_leg(p, token_ids))))
+        return answer(post(d, decode_body(token_ids, prefill_leg(p, token_ids), sampling_params=short)))
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         got = list(pool.map(via_pd, batch))
-    coupled = [answer(post(d, decode_body(token_ids, None))) for token_ids in batch]
+    coupled = [answer(post(d, decode_body(token_ids, None, sampling_params=short))) for token_ids in batch]
     assert got == coupled
     assert len({tuple(ids) for ids in coupled}) == len(batch)  # every prompt its own answer: a mix-up shows
     wait_until(lambda: p.metric("pdserve_kv_held_blocks") == 0, "prefill KV freed after the pulls")
