@@ -5,9 +5,11 @@ the first signal drains, the server stops when the drain ends, a second signal s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -69,19 +71,25 @@ class GatedDrain(DrainingServer):
             await asyncio.sleep(0.01)
 
 
-def _started(server: DrainingServer) -> tuple[threading.Thread, int]:
+@contextlib.contextmanager
+def _serving(server: GatedDrain) -> Iterator[tuple[threading.Thread, int]]:
+    """``server`` running on a thread (its thread and port); stopped however the test ends."""
     port = free_port()
     server.config = uvicorn.Config(_app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
     thread = threading.Thread(target=server.run)
     thread.start()
-    wait_until(lambda: server.started, "the server listens")
-    return thread, port
+    try:
+        wait_until(lambda: server.started, "the server listens")
+        yield thread, port
+    finally:
+        server.gate.set()
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 def test_the_first_signal_drains_and_the_server_stops_when_the_drain_ends() -> None:
     server = GatedDrain(uvicorn.Config(_app))
-    thread, port = _started(server)
-    try:
+    with _serving(server) as (thread, port):
         server.handle_exit(signal.SIGTERM, None)
         wait_until(lambda: server.drains == 1, "the drain starts")
         time.sleep(0.2)
@@ -90,22 +98,13 @@ def test_the_first_signal_drains_and_the_server_stops_when_the_drain_ends() -> N
         server.gate.set()
         thread.join(timeout=10)
         assert not thread.is_alive() and server.drains == 1
-    finally:
-        server.gate.set()
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def test_a_second_signal_stops_the_server_while_it_drains() -> None:
     server = GatedDrain(uvicorn.Config(_app))
-    thread, _ = _started(server)
-    try:
+    with _serving(server) as (thread, _):
         server.handle_exit(signal.SIGTERM, None)
         wait_until(lambda: server.drains == 1, "the drain starts")
         server.handle_exit(signal.SIGTERM, None)
         thread.join(timeout=10)
         assert not thread.is_alive() and server.drains == 1  # stopped with its drain still waiting
-    finally:
-        server.gate.set()
-        server.should_exit = True
-        thread.join(timeout=10)
