@@ -382,7 +382,7 @@ class StepLoop:
         ``prompt_logprobs`` go out with the first token of the sequence of index 0 of their request.
         """
         tokens, logprobs = sample(logits, [s.state for s in seqs])
-        finished: list[ScheduledSequence] = []
+        finished: list[tuple[ScheduledSequence, bool]] = []
         for row, seq in enumerate(seqs):
             token = tokens[row]
             finish, reason = self._finish_reason(seq, token)
@@ -406,9 +406,9 @@ class StepLoop:
                 )
             )
             if finish is not None:
-                finished.append(seq)
-        for seq in finished:
-            self._retire(seq)
+                finished.append((seq, kv_params is not None))
+        for seq, exported in finished:
+            self._retire(seq, keep_slot=exported)  # an exported prefill leg's KV waits in its slot for the pull
 
     def _finish_reason(self, seq: ScheduledSequence, token: int) -> tuple[str | None, int | None]:
         sp, req = seq.request.sampling, seq.request
@@ -442,15 +442,16 @@ class StepLoop:
         seed = sp.seed + index if sp.seed is not None else self._seed_source.getrandbits(63)
         return torch.Generator().manual_seed(seed)
 
-    def _retire(self, seq: ScheduledSequence) -> None:
-        """A sequence is over (finished, aborted or stopped): free its slot; end the request after its last one."""
+    def _retire(self, seq: ScheduledSequence, keep_slot: bool = False) -> None:
+        """A sequence is over (finished, aborted or stopped): free its slot, or hold it (``keep_slot``: a prefill
+        leg's exported KV is there, under a lease); end the request after its last one."""
         seq.live = False
         if seq.slot >= 0:
             if self.prefix_cache is not None:  # its output's full blocks too: a next turn's prompt holds them
                 req = seq.request
                 keys = block_hashes(req.prompt + seq.output, self.prefix_cache.block_size, req.cache_salt, req.prefix_keys)
                 self.prefix_cache.store(keys, self.cache, seq.slot, seq.num_cached)
-            if self.kv.keeps_slot(seq):  # a prefill leg's KV waits in its slot for the pull
+            if keep_slot:
                 self.scheduler.hold(seq)
             else:
                 self.scheduler.release(seq)

@@ -19,7 +19,7 @@ order a request meets them:
 * ``after_decode(running)``: a pulled leg's first decode step ran its last prompt token; the KV the
   prefill computed for that position is put back.
 * ``on_finish(seq, finish)``: the ``kv_transfer_params`` of a finishing prefill leg (its KV exported
-  under a lease), else None; ``keeps_slot(seq)`` then says the finished sequence's slot stays held.
+  under a lease), else None; a sequence that exported keeps its slot held until the lease ends.
 * ``forget(req)``: the request is over; whatever the hooks hold for it is released.
 
 Everything runs on the step loop's thread.
@@ -79,9 +79,6 @@ class NoKVHandoff:
     def on_finish(self, seq: ScheduledSequence, finish: str) -> dict[str, Any] | None:
         return None
 
-    def keeps_slot(self, seq: ScheduledSequence) -> bool:
-        return False
-
     def forget(self, req: ScheduledRequest) -> None:
         pass
 
@@ -104,7 +101,6 @@ class KVHandoffHooks:
         self._cache = cache
         self._fail = fail
         self._exports: set[ScheduledRequest] = set()  # prefill legs: export the prompt's KV when they finish
-        self._leased: set[ScheduledSequence] = set()  # finished prefill legs whose slot their lease keeps
         self._pulling: dict[str, ScheduledRequest] = {}  # decode legs whose KV is being pulled
         # The prefill's KV of the last prompt position, until the first decode step has run it.
         self._tails: dict[ScheduledRequest, torch.Tensor] = {}
@@ -198,19 +194,12 @@ class KVHandoffHooks:
                 self._tails.pop(req, None)
 
     def on_finish(self, seq: ScheduledSequence, finish: str) -> dict[str, Any] | None:
-        """A prefill leg that ends by length or stop exports its prompt's KV: the params say where."""
+        """A prefill leg that ends by length or stop exports its prompt's KV: the params say where. Its slot then
+        stays held (the step loop's ``_retire``) until the lease ends."""
         req = seq.request
         if finish not in ("length", "stop") or req not in self._exports:
             return None
-        self._leased.add(seq)
         return self.handoff.export(req.request_id, seq.slot, req.prompt_len)
-
-    def keeps_slot(self, seq: ScheduledSequence) -> bool:
-        """The finished sequence's slot stays held: its KV waits there for its pull (the lease frees it)."""
-        if seq not in self._leased:
-            return False
-        self._leased.discard(seq)
-        return True
 
     def forget(self, req: ScheduledRequest) -> None:
         self.handoff.drop(req.request_id)
