@@ -84,16 +84,17 @@ class KVAgentInfo(msgspec.Struct, frozen=True, kw_only=True):
         slot = block_ids[0] // per_slot if block_ids else -1
         if not 0 <= slot < self.num_slots or num_tokens > self.slot_positions:
             raise ValueError(f"remote block ids must name one of the prefill engine's {self.num_slots} KV slots")
-        if block_ids != slot_block_ids(slot, num_tokens, self.slot_positions, self.layout.block_size):
+        if block_ids != slot_block_ids(slot, num_tokens, self.slot_positions, self.layout):
             raise ValueError(f"remote block ids must be the first {self.layout.blocks_for(num_tokens)} blocks of "
                              "one KV slot, in order")
         return slot
 
 
-def slot_block_ids(slot: int, num_tokens: int, slot_positions: int, block_size: int) -> list[int]:
-    """The wire's block ids of positions ``[0, num_tokens)`` of ``slot`` (a prefill response's ``remote_block_ids``)."""
-    first = slot * math.ceil(slot_positions / block_size)
-    return list(range(first, first + math.ceil(num_tokens / block_size)))
+def slot_block_ids(slot: int, num_tokens: int, slot_positions: int, layout: KVLayout) -> list[int]:
+    """The wire's block ids of positions ``[0, num_tokens)`` of ``slot`` in a cache of ``slot_positions`` positions
+    per slot (a prefill response's ``remote_block_ids``)."""
+    first = slot * layout.blocks_for(slot_positions)
+    return list(range(first, first + layout.blocks_for(num_tokens)))
 
 
 class KVPull(msgspec.Struct, frozen=True, kw_only=True):

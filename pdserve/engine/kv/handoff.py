@@ -118,8 +118,7 @@ class KVHandoff:
         params: its first ``num_tokens`` positions, as the wire's blocks."""
         lease_id = f"{request_id}@{next(self._lease_ids)}"  # unique even when a client reuses its id
         self._leases[lease_id] = _Lease(request_id, slot, num_tokens, self._clock() + self.spec.lease_s)
-        cache = self.transport.cache
-        blocks = slot_block_ids(slot, num_tokens, cache.max_len, self.layout.block_size)
+        blocks = slot_block_ids(slot, num_tokens, self.transport.cache.max_len, self.layout)
         self._stats.exported_blocks += len(blocks)
         self._stats.exported_requests += 1
         return prefill_params(

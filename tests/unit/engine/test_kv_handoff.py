@@ -68,7 +68,7 @@ def test_slot_descriptors_name_exactly_a_slots_positions_run_by_run(slots, max_l
 def test_wire_blocks_name_the_first_positions_of_one_slot() -> None:
     info = KVAgentInfo(engine_id="e", backend="nixl", agent_metadata=b"", base_address=0, num_slots=3,
                        slot_positions=40, layout=LAYOUT)  # 10 blocks of 4 per slot
-    assert slot_block_ids(2, 9, 40, 4) == [20, 21, 22] and info.slot_of([20, 21, 22], 9) == 2
+    assert slot_block_ids(2, 9, 40, LAYOUT) == [20, 21, 22] and info.slot_of([20, 21, 22], 9) == 2
     assert info.slot_of([0], 1) == 0
     for blocks, tokens in (([30, 31, 32], 9), ([21, 22, 23], 9), ([20, 22, 21], 9), ([], 1), ([0] * 11, 41)):
         with pytest.raises(ValueError, match="remote block ids"):
