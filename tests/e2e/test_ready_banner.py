@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import torch
+
 from pdserve.engine.dtype_choice import choose_dtype
+from pdserve.engine.kernels import choose_kernels
 from tests.e2e.test_generate import SCRIPTS
 from tests.serverproc import ServerProcess
 from tests.waiting import wait_until
@@ -38,7 +41,10 @@ def test_the_torch_engine_core_reports_its_process_threads_and_dtype() -> None:
 
 def test_a_dtype_asked_for_is_the_one_that_runs() -> None:
     with ServerProcess("serve", "qwen3-tiny", "--max-model-len", "128", "--dtype", "float32") as srv:
-        assert ", float32 (--dtype)" in banner(srv)
+        text = banner(srv)
+        assert ", float32 (--dtype)" in text
+        # The kernels and why: pdserve's own on an AVX2 CPU, oneDNN and SDPA elsewhere.
+        assert f", kernels: {choose_kernels(torch.float32).reason}); " in text
 
 
 def test_render_and_tokens_only_roles_say_what_they_lack() -> None:

@@ -4,7 +4,9 @@ Written for CPU decode, where a step is one row per sequence, weights stream fro
 once per step and Python overhead per op matters as much as the matmuls: weights are
 fused (QKV, gate+up) and prepacked for oneDNN (:class:`Linear`, ~1.8x the bandwidth of
 ``F.linear`` here), the layer loop is plain tensor code (no nn.Module dispatch), and the
-KV cache is preallocated.
+KV cache is preallocated. In float32 on an AVX2 CPU without AVX-512 the linears and decode
+attention run pdserve's own kernels instead (:mod:`pdserve.engine.kernels`), which are
+batch-invariant by construction.
 
 Batch invariance (a sequence decodes to the same tokens whatever else shares its batch)
 needs every op to compute a row with shapes that do not depend on the other rows. Decode
@@ -32,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.kernels import choose_kernels
 from pdserve.engine.models.mkl_mode import pin_mkl_code_path
 
 pin_mkl_code_path()  # before any torch op of the process: MKL reads its mode at its first call
@@ -191,11 +194,13 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 
 class Linear:
-    """``x @ weight.T`` with the weight reordered once into oneDNN's blocked layout.
+    """``x @ weight.T`` with the weight packed once for its kernel.
 
-    By default all rows go to the kernel in one call (the fastest), and a single row is
-    computed as two (itself twice), as oneDNN's one-row (GEMV) path rounds differently from
-    its batched one; its batched paths for different row counts agree with each other on
+    float32 on an AVX2 CPU without AVX-512 runs pdserve's own kernel (:mod:`pdserve.engine.kernels`), which gives
+    every row the same bits whatever shares its call, so ``fixed_rows`` has nothing to add there. Elsewhere the
+    weight is reordered into oneDNN's blocked layout. There, by default all rows go to the kernel in one call
+    (the fastest), and a single row is computed as two (itself twice), as oneDNN's one-row (GEMV) path rounds
+    differently from its batched one; its batched paths for different row counts agree with each other on
     AVX-512 CPUs without AMX, not on CPUs with it. With ``fixed_rows=R`` every kernel call
     gets exactly R rows (zero-padded, more rows in blocks of R): one shape means one kernel
     and one reduction order for every call, so a row's result cannot depend on the rows it
@@ -204,14 +209,20 @@ class Linear:
     """
 
     def __init__(self, weight: torch.Tensor, fixed_rows: int | None = None) -> None:
-        if onednn_packs(weight.dtype):
+        self._native = choose_kernels(weight.dtype).kernels
+        self.out_features = weight.shape[0]
+        self.fixed_rows = fixed_rows
+        if self._native is not None:
+            self.weight, self._packed = self._native.pack(weight), False  # _packed: oneDNN's layout
+        elif onednn_packs(weight.dtype):
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, fixed_rows or DECODE_MICROBATCH)
             self._packed = True
         else:
             self.weight, self._packed = weight, False
-        self.fixed_rows = fixed_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native is not None:
+            return self._native.linear(x, self.weight, self.out_features)
         rows = x.shape[0]
         if self.fixed_rows is not None:
             blocks = F.pad(x, (0, 0, 0, -rows % self.fixed_rows)).split(self.fixed_rows)
@@ -320,6 +331,12 @@ class LlamaForCausalLM:
         self._q_width = cfg.num_heads * cfg.head_dim
         self._qk_heads = cfg.num_heads + cfg.num_kv_heads
         self._heads = self._qk_heads + cfg.num_kv_heads
+        # pdserve's decode attention kernel (float32 on AVX2 CPUs: pdserve.engine.kernels), or SDPA over runs of slots.
+        # The batch-invariant mode keeps SDPA, padded as a prompt's rows are: there a decode step must write the
+        # keys/values a prefill writes for its position (the prefix cache's exactness), and prompts run SDPA.
+        native = choose_kernels(dtype).kernels
+        self._native_attention = (native if native is not None and cfg.head_dim % 8 == 0 and not batch_invariant
+                                  else None)
 
     # -- architecture hooks -------------------------------------------------------------
 
@@ -441,7 +458,7 @@ class LlamaForCausalLM:
         chunk_positions = torch.arange(chunk.start, chunk.start + size)
         all_positions = torch.cat([positions, chunk_positions])
         flat_rows = cache.flat_rows(torch.cat([slots, torch.full((size,), chunk.slot)]), all_positions)
-        groups = self._decode_groups(positions, slots, cache) if rows else []
+        groups = self._decode_groups(positions, slots, cache) if rows and self._native_attention is None else []
         causal_own_rows = chunk.start == 0 and not self.batch_invariant  # as prefill_batch computes a prompt
         chunk_mask = None if causal_own_rows else self._chunk_mask(chunk_positions, cache.max_len)
         cos, sin = self._rope_tables(all_positions)
@@ -454,7 +471,7 @@ class LlamaForCausalLM:
             else:
                 attn = self._cached_attention(cache, i, chunk.slot, heads[rows:, : cfg.num_heads], chunk_mask)
             if rows:
-                attn = torch.cat([self._decode_attention(cache, i, heads[:rows], groups), attn])
+                attn = torch.cat([self._decode_attention(cache, i, heads[:rows], groups, slots, positions), attn])
             x = x + layer.o(attn)
             x = self._mlp(layer, x)
         hidden = self._rms_norm(x, self.norm)
@@ -528,14 +545,14 @@ class LlamaForCausalLM:
         self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
         cfg = self.cfg
-        groups = self._decode_groups(positions, slots, cache)
+        groups = self._decode_groups(positions, slots, cache) if self._native_attention is None else []
         flat_rows = cache.flat_rows(slots, positions)
         cos, sin = self._rope_tables(positions)
         x = F.embedding(token_ids, self.embed)
         for i, layer in enumerate(self.layers):
             heads = self._project(layer, x, cos, sin)
             cache.store(i, flat_rows, heads[:, cfg.num_heads :])
-            x = x + layer.o(self._decode_attention(cache, i, heads, groups))
+            x = x + layer.o(self._decode_attention(cache, i, heads, groups, slots, positions))
             x = self._mlp(layer, x)
         return self._rms_norm(x, self.norm)
 
@@ -575,9 +592,14 @@ class LlamaForCausalLM:
         ]
 
     def _decode_attention(
-        self, cache: KVCache, layer: int, heads: torch.Tensor, groups: Sequence[AttentionGroup]
+        self, cache: KVCache, layer: int, heads: torch.Tensor, groups: Sequence[AttentionGroup], slots: torch.Tensor,
+        positions: torch.Tensor,
     ) -> torch.Tensor:
-        """Attention of decode rows (their ``heads``) over their cached keys, a call per run of slots."""
+        """Attention of decode rows (their ``heads``, at ``positions`` in ``slots``) over their cached keys: each row
+        over its own positions in pdserve's kernel, else an SDPA call per run of slots (``groups``)."""
+        if self._native_attention is not None:
+            return self._native_attention.decode_attention(
+                heads, self.cfg.num_heads, cache.keys[layer], cache.values[layer], slots, positions + 1)
         outs = []
         for group in groups:
             slots = slice(group.first_slot, group.first_slot + group.end - group.start)

@@ -24,6 +24,7 @@ from pdserve.checkpoints.model_dir import model_eos_ids
 from pdserve.checkpoints.resolve import model_display_name, resolve_model
 from pdserve.engine.dtype_choice import choose_dtype
 from pdserve.engine.inproc import InProcessCore
+from pdserve.engine.kernels import choose_kernels
 from pdserve.engine.kv.handoff import KVHandoff, Slots
 from pdserve.engine.kv.peers import PeerDirectory
 from pdserve.engine.kv.pool import KVBlockPool
@@ -138,10 +139,12 @@ class TorchSetup:
         (see pdserve/engine/threads.py), so call it on the thread that will run every step.
         """
         self.info.intra_op_threads = configure_torch_threads()
+        self.info.kernels = choose_kernels(self.dtype).reason
         log.info(
-            "torch engine %s: %d intra-op threads, batch_invariant=%s",
+            "torch engine %s: %d intra-op threads, kernels %s, batch_invariant=%s",
             self.info.model_name,
             self.info.intra_op_threads,
+            self.info.kernels,
             self.batch_invariant,
         )
         model = load_model(self.facts.path, self.dtype, self.info.max_model_len, batch_invariant=self.batch_invariant)
