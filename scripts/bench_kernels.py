@@ -9,13 +9,12 @@ as the engine's (an anonymous mapping without huge pages), so keys and values co
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from pdserve.bench.kv_layout import median_seconds
 from pdserve.engine.kernels import load_native_kernels
 from pdserve.engine.models.llama import KVCache, ModelConfig
 
@@ -29,13 +28,7 @@ SMOLLM2 = ModelConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e3
+    return median_seconds(fn, repeats) * 1e3
 
 
 def linears(threads: int, rows: list[int]) -> list[str]:

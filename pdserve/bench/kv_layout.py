@@ -34,7 +34,7 @@ DEFAULT_DOCS = Path("docs/benchmarks.md")
 BLOCK = 16
 
 
-def _timed(fn: Callable[[], object], repeats: int) -> float:
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     """Median seconds of ``fn`` over ``repeats`` runs, after one warm-up run."""
     fn()
     samples = []
@@ -74,8 +74,8 @@ def run_kv_layout_bench(model: str = "smollm2-135m", *, dtype: str = "auto", bat
     pool = KVBlockPool(layout, max_len // BLOCK, torch_dtype)
     blocks = list(range(max_len // BLOCK))
     copies = {
-        "save": _timed(lambda: pool.save_blocks(cache, 0, blocks, blocks), repeats),
-        "load": _timed(lambda: pool.load_blocks(cache, 0, 0, blocks), repeats),
+        "save": median_seconds(lambda: pool.save_blocks(cache, 0, blocks, blocks), repeats),
+        "load": median_seconds(lambda: pool.load_blocks(cache, 0, 0, blocks), repeats),
     }
     return {"date": datetime.now(UTC).strftime("%Y-%m-%d"), "machine": machine(), "model": model,
             "dtype": str(torch_dtype).removeprefix("torch."), "torch": torch.__version__, "rows": rows,
@@ -91,7 +91,7 @@ def _one_shape(lm: Any, cache: Any, paged: Any, batch: int, span: int, repeats: 
     layers, kv_heads, hd = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     positions = torch.full((batch,), span - 1, dtype=torch.long)
     tokens = torch.zeros(batch, dtype=torch.long)
-    step_s = _timed(lambda: lm.decode(tokens, positions, cache), repeats)
+    step_s = median_seconds(lambda: lm.decode(tokens, positions, cache), repeats)
     query = torch.randn(batch, cfg.num_heads, 1, hd).to(dtype)
     mask = torch.zeros(batch, 1, 1, span)
     n = span // BLOCK
@@ -117,7 +117,7 @@ def _one_shape(lm: Any, cache: Any, paged: Any, batch: int, span: int, repeats: 
                 F.scaled_dot_product_attention(query[seq : seq + 1], pool[0, None, :, start : start + span],
                                                pool[1, None, :, start : start + span], enable_gqa=True)
 
-    attention = {name: _timed(fn, repeats) for name, fn in
+    attention = {name: median_seconds(fn, repeats) for name, fn in
                  (("slot views", slot_views), ("pages gathered", pages_gathered),
                   ("pages per sequence", pages_per_sequence))}
     return {"batch": batch, "span": span, "step_s": step_s, "attention_s": attention}
@@ -142,9 +142,9 @@ def _mixed_lengths(lm: Any, cache: Any, longest: int, repeats: int) -> list[dict
                                  cache)
         samples: dict[str, list[float]] = {"runs_s": [], "one_call_s": []}
         for _ in range(repeats):  # interleaved, so that drift on a shared machine hits both alike
-            samples["runs_s"].append(_timed(step, 1))
+            samples["runs_s"].append(median_seconds(step, 1))
             with mock.patch.object(llama, "SPLIT_KEY_ROWS", 1 << 40):
-                samples["one_call_s"].append(_timed(step, 1))
+                samples["one_call_s"].append(median_seconds(step, 1))
         rows.append({"batch": name, **{key: statistics.median(values) for key, values in samples.items()}})
     return rows
 
