@@ -125,10 +125,11 @@ def torch_version() -> str:
 
 def kernels(dtype: str) -> str:
     """Which kernels the in-process engine's model ran, and why (its banner's words)."""
-    from pdserve.engine.kernels import choose_kernels
-    from pdserve.engine.runners.torch_runner import DTYPES
+    import torch
 
-    return choose_kernels(DTYPES[dtype]).reason
+    from pdserve.engine.kernels import choose_kernels
+
+    return choose_kernels(getattr(torch, dtype)).reason
 
 
 def run_engine_bench(
