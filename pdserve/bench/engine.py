@@ -125,11 +125,10 @@ def torch_version() -> str:
 
 def kernels(dtype: str) -> str:
     """Which kernels the in-process engine's model ran, and why (its banner's words)."""
-    import torch
-
     from pdserve.engine.kernels import choose_kernels
+    from pdserve.engine.runners.torch_runner import DTYPES
 
-    return choose_kernels(getattr(torch, dtype)).reason
+    return choose_kernels(DTYPES[dtype]).reason
 
 
 def run_engine_bench(

@@ -42,8 +42,20 @@ class KernelBuildError(RuntimeError):
     """The C source did not compile or load here."""
 
 
+@dataclass(frozen=True)
+class DecodeRows:
+    """A decode batch's slots and the positions each row attends (int64), checked against a cache of ``num_slots``
+    slots of ``max_len`` positions once per step (:meth:`NativeKernels.decode_rows`), then read by every layer."""
+
+    slots: torch.Tensor
+    lengths: torch.Tensor
+    num_slots: int
+    max_len: int
+
+
 class NativeKernels:
-    """The compiled kernels: :meth:`linear` (after :meth:`pack`) and :meth:`decode_attention`."""
+    """The compiled kernels: :meth:`linear` (after :meth:`pack`) and :meth:`decode_attention` (after
+    :meth:`decode_rows`)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._linear = library.pdserve_linear_f32
@@ -71,26 +83,34 @@ class NativeKernels:
                      torch.get_num_threads())
         return out
 
+    @staticmethod
+    def decode_rows(slots: torch.Tensor, lengths: torch.Tensor, num_slots: int, max_len: int) -> DecodeRows:
+        """Rows in ``slots`` attending their first ``lengths`` positions, checked against the cache they will read."""
+        slots, lengths = slots.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
+        if slots.shape != lengths.shape or (len(slots) and (
+                int(lengths.min()) < 1 or int(lengths.max()) > max_len or int(slots.min()) < 0
+                or int(slots.max()) >= num_slots)):
+            raise ValueError("decode_attention: a row's slot or length is outside the cache")
+        return DecodeRows(slots, lengths, num_slots, max_len)
+
     def decode_attention(self, heads: torch.Tensor, num_heads: int, keys: torch.Tensor, values: torch.Tensor,
-                         slots: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+                         rows: DecodeRows) -> torch.Tensor:
         """Each row's first ``num_heads`` heads of ``heads`` ``[rows, >= num_heads, head_dim]`` (its queries) over
-        the first ``lengths[row]`` positions of its slot in one layer's ``keys`` and ``values`` ``[slots, kv_heads,
-        max_len, head_dim]``, scaled by ``1/sqrt(head_dim)`` as SDPA does: ``[rows, num_heads * head_dim]``."""
-        rows, _, head_dim = heads.shape
+        the first ``rows.lengths[row]`` positions of its slot in one layer's ``keys`` and ``values`` ``[slots,
+        kv_heads, max_len, head_dim]``, scaled by ``1/sqrt(head_dim)`` as SDPA does: ``[rows, num_heads *
+        head_dim]``."""
+        count, _, head_dim = heads.shape
         num_slots, kv_heads, max_len, _ = keys.shape
         if (heads.dtype != torch.float32 or heads.stride(2) != 1 or heads.stride(1) != head_dim or head_dim % 8
                 or num_heads % kv_heads or not keys.is_contiguous() or not values.is_contiguous()
-                or keys.shape != values.shape or keys.shape[3] != head_dim):
+                or keys.shape != values.shape or keys.shape[3] != head_dim or count != len(rows.slots)
+                or (num_slots, max_len) != (rows.num_slots, rows.max_len)):
             raise ValueError(f"decode_attention cannot read heads {list(heads.shape)} {heads.dtype} with keys "
                              f"{list(keys.shape)}")
-        slots, lengths = slots.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
-        if rows and (int(lengths.min()) < 1 or int(lengths.max()) > max_len or int(slots.min()) < 0
-                     or int(slots.max()) >= num_slots):
-            raise ValueError("decode_attention: a row's slot or length is outside the cache")
-        out = torch.empty(rows, num_heads * head_dim)
+        out = torch.empty(count, num_heads * head_dim)
         failed = self._attention(heads.data_ptr(), heads.stride(0), keys.data_ptr(), values.data_ptr(),
-                                 slots.data_ptr(), lengths.data_ptr(), out.data_ptr(), rows, num_heads, kv_heads,
-                                 max_len, head_dim, head_dim**-0.5, torch.get_num_threads())
+                                 rows.slots.data_ptr(), rows.lengths.data_ptr(), out.data_ptr(), count, num_heads,
+                                 kv_heads, max_len, head_dim, head_dim**-0.5, torch.get_num_threads())
         if failed:
             raise MemoryError("decode_attention: no memory for a row's scores")
         return out

@@ -8,7 +8,6 @@
  * slot or the threads (the engine's batch invariance).
  */
 #include <immintrin.h>
-#include <math.h>
 #include <stdlib.h>
 #include <stddef.h>
 
@@ -76,15 +75,14 @@ static inline __m256 dot8(const float *q, const float *k, size_t head_dim) {
 /* out[h][c] = inverse[h] * sum_j s[h][j] v[j][c] for `heads` heads (scores `length` apart) and `width` x 8
  * columns of the values (rows `head_dim` apart); constants at every call, so the loops unroll into registers. */
 static inline __attribute__((always_inline)) void weigh(const float *s, size_t length, const float *values,
-                                                         size_t column, size_t head_dim, float *out,
-                                                         const float *inverse, const int heads, const int width,
-                                                         const int first_pass) {
+                                                         size_t head_dim, float *out, const float *inverse,
+                                                         const int heads, const int width, const int first_pass) {
     __m256 acc[3][4];
     for (int h = 0; h < heads; h++)
         for (int i = 0; i < width; i++) acc[h][i] = _mm256_setzero_ps();
     for (size_t j = 0; j < length; j++) {
         const float *v = values + j * head_dim;
-        if (first_pass && j % 8 == 0) prefetch_rows(values - column, j + PREFETCH_ROWS, 8, length, head_dim);
+        if (first_pass && j % 8 == 0) prefetch_rows(values, j + PREFETCH_ROWS, 8, length, head_dim);
         for (int h = 0; h < heads; h++) {
             const __m256 w = _mm256_set1_ps(s[h * length + j]);
             for (int i = 0; i < width; i++) acc[h][i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), acc[h][i]);
@@ -145,14 +143,14 @@ static void one_group(const float *q, const float *keys, const float *values, fl
             const float *sh = scores + h * length, *v = values + d;
             float *o = out + h * head_dim + d;
             const float *inv = inverse + h;
-            const int first = h == 0 && d == 0;
+            const int first = h == 0 && d == 0; /* the pass that prefetches: it reads each row from its start */
             switch (heads * 10 + (head_dim - d >= 32 ? 4 : 1)) {
-            case 34: weigh(sh, length, v, d, head_dim, o, inv, 3, 4, first); break;
-            case 31: weigh(sh, length, v, d, head_dim, o, inv, 3, 1, first); break;
-            case 24: weigh(sh, length, v, d, head_dim, o, inv, 2, 4, first); break;
-            case 21: weigh(sh, length, v, d, head_dim, o, inv, 2, 1, first); break;
-            case 14: weigh(sh, length, v, d, head_dim, o, inv, 1, 4, first); break;
-            default: weigh(sh, length, v, d, head_dim, o, inv, 1, 1, first); break;
+            case 34: weigh(sh, length, v, head_dim, o, inv, 3, 4, first); break;
+            case 31: weigh(sh, length, v, head_dim, o, inv, 3, 1, first); break;
+            case 24: weigh(sh, length, v, head_dim, o, inv, 2, 4, first); break;
+            case 21: weigh(sh, length, v, head_dim, o, inv, 2, 1, first); break;
+            case 14: weigh(sh, length, v, head_dim, o, inv, 1, 4, first); break;
+            default: weigh(sh, length, v, head_dim, o, inv, 1, 1, first); break;
             }
         }
     }

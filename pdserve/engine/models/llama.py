@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.kernels import choose_kernels
+from pdserve.engine.kernels import DecodeRows, choose_kernels
 from pdserve.engine.models.mkl_mode import pin_mkl_code_path
 
 pin_mkl_code_path()  # before any torch op of the process: MKL reads its mode at its first call
@@ -458,7 +458,7 @@ class LlamaForCausalLM:
         chunk_positions = torch.arange(chunk.start, chunk.start + size)
         all_positions = torch.cat([positions, chunk_positions])
         flat_rows = cache.flat_rows(torch.cat([slots, torch.full((size,), chunk.slot)]), all_positions)
-        groups = self._decode_groups(positions, slots, cache) if rows and self._native_attention is None else []
+        plan = self._decode_plan(positions, slots, cache) if rows else []
         causal_own_rows = chunk.start == 0 and not self.batch_invariant  # as prefill_batch computes a prompt
         chunk_mask = None if causal_own_rows else self._chunk_mask(chunk_positions, cache.max_len)
         cos, sin = self._rope_tables(all_positions)
@@ -471,7 +471,7 @@ class LlamaForCausalLM:
             else:
                 attn = self._cached_attention(cache, i, chunk.slot, heads[rows:, : cfg.num_heads], chunk_mask)
             if rows:
-                attn = torch.cat([self._decode_attention(cache, i, heads[:rows], groups, slots, positions), attn])
+                attn = torch.cat([self._decode_attention(cache, i, heads[:rows], plan), attn])
             x = x + layer.o(attn)
             x = self._mlp(layer, x)
         hidden = self._rms_norm(x, self.norm)
@@ -545,16 +545,25 @@ class LlamaForCausalLM:
         self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
         cfg = self.cfg
-        groups = self._decode_groups(positions, slots, cache) if self._native_attention is None else []
+        plan = self._decode_plan(positions, slots, cache)
         flat_rows = cache.flat_rows(slots, positions)
         cos, sin = self._rope_tables(positions)
         x = F.embedding(token_ids, self.embed)
         for i, layer in enumerate(self.layers):
             heads = self._project(layer, x, cos, sin)
             cache.store(i, flat_rows, heads[:, cfg.num_heads :])
-            x = x + layer.o(self._decode_attention(cache, i, heads, groups, slots, positions))
+            x = x + layer.o(self._decode_attention(cache, i, heads, plan))
             x = self._mlp(layer, x)
         return self._rms_norm(x, self.norm)
+
+    def _decode_plan(
+        self, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache
+    ) -> list[AttentionGroup] | DecodeRows:
+        """How a decode batch attends, worked out once per step for every layer: its rows' slots and lengths for
+        pdserve's kernel (checked against the cache), else SDPA calls over runs of slots (:meth:`_decode_groups`)."""
+        if self._native_attention is not None:
+            return self._native_attention.decode_rows(slots, positions + 1, cache.num_slots, cache.max_len)
+        return self._decode_groups(positions, slots, cache)
 
     def _decode_groups(self, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache) -> list[AttentionGroup]:
         """A decode batch's attention calls: runs of rows in consecutive slots, each a view of the cache padded
@@ -592,16 +601,16 @@ class LlamaForCausalLM:
         ]
 
     def _decode_attention(
-        self, cache: KVCache, layer: int, heads: torch.Tensor, groups: Sequence[AttentionGroup], slots: torch.Tensor,
-        positions: torch.Tensor,
+        self, cache: KVCache, layer: int, heads: torch.Tensor, plan: Sequence[AttentionGroup] | DecodeRows
     ) -> torch.Tensor:
-        """Attention of decode rows (their ``heads``, at ``positions`` in ``slots``) over their cached keys: each row
-        over its own positions in pdserve's kernel, else an SDPA call per run of slots (``groups``)."""
-        if self._native_attention is not None:
+        """Attention of decode rows (their ``heads``) over their cached keys, as :meth:`_decode_plan` planned it: each
+        row over its own positions in pdserve's kernel, else an SDPA call per run of slots."""
+        if isinstance(plan, DecodeRows):
+            assert self._native_attention is not None  # only it plans DecodeRows
             return self._native_attention.decode_attention(
-                heads, self.cfg.num_heads, cache.keys[layer], cache.values[layer], slots, positions + 1)
+                heads, self.cfg.num_heads, cache.keys[layer], cache.values[layer], plan)
         outs = []
-        for group in groups:
+        for group in plan:
             slots = slice(group.first_slot, group.first_slot + group.end - group.start)
             # SDPA's flash kernel reads the strided cache views in place; a bfloat16 torch.matmul
             # copied both (oneDNN takes only contiguous batches), a third of a batch-8 step.

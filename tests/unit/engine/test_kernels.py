@@ -175,7 +175,8 @@ def exact_attention(heads: torch.Tensor, num_heads: int, keys: torch.Tensor, val
 def test_decode_attention_is_within_float32_rounding_of_exact(kernel: NativeKernels, shape: tuple[int, int, int]) -> None:
     keys, values, heads = attention_case(*shape)
     slots, lengths = [5, 0, 3, 3, 1, 2, 4, 0, 1, 2, 5, 4], [1, 2, 7, 8, 9, 15, 16, 17, 100, 513, 639, MAX_LEN]
-    out = kernel.decode_attention(heads, shape[0], keys, values, torch.tensor(slots), torch.tensor(lengths))
+    rows = kernel.decode_rows(torch.tensor(slots), torch.tensor(lengths), 6, MAX_LEN)
+    out = kernel.decode_attention(heads, shape[0], keys, values, rows)
     exact = exact_attention(heads, shape[0], keys, values, slots, lengths)
     assert out.shape == (12, shape[0] * shape[2])
     # An average of values of magnitude ~1 with weights each within a few float32 ulps: 1e-5 absolute is
@@ -198,10 +199,11 @@ def test_decode_attention_gives_a_row_its_bits_alone_in_any_batch_on_any_threads
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = [kernel.decode_attention(batch[i : i + 1], shape[0], keys, values, slots[i : i + 1], lengths[i : i + 1])
+        alone = [kernel.decode_attention(batch[i : i + 1], shape[0], keys, values,
+                                         kernel.decode_rows(slots[i : i + 1], lengths[i : i + 1], 6, MAX_LEN))
                  for i in range(len(rows))]
         torch.set_num_threads(threads)
-        together = kernel.decode_attention(batch, shape[0], keys, values, slots, lengths)
+        together = kernel.decode_attention(batch, shape[0], keys, values, kernel.decode_rows(slots, lengths, 6, MAX_LEN))
     finally:
         torch.set_num_threads(before)
     for i, row in enumerate(alone):
@@ -211,10 +213,13 @@ def test_decode_attention_gives_a_row_its_bits_alone_in_any_batch_on_any_threads
 def test_decode_attention_refuses_what_it_cannot_read(kernel: NativeKernels) -> None:
     keys, values, heads = attention_case(9, 3, 64)
     one = torch.tensor([1])
+    row = kernel.decode_rows(one, one, 6, MAX_LEN)
     with pytest.raises(ValueError, match="cannot read"):
-        kernel.decode_attention(heads[:1].bfloat16(), 9, keys, values, one, one)
+        kernel.decode_attention(heads[:1].bfloat16(), 9, keys, values, row)
     with pytest.raises(ValueError, match="cannot read"):
-        kernel.decode_attention(heads[:1], 8, keys, values, one, one)  # 8 query heads do not share 3 KV heads
+        kernel.decode_attention(heads[:1], 8, keys, values, row)  # 8 query heads do not share 3 KV heads
+    with pytest.raises(ValueError, match="cannot read"):
+        kernel.decode_attention(heads[:1], 9, keys, values, kernel.decode_rows(one, one, 6, MAX_LEN - 1))
     for slot, length in ((6, 1), (-1, 1), (0, 0), (0, MAX_LEN + 1)):
         with pytest.raises(ValueError, match="outside the cache"):
-            kernel.decode_attention(heads[:1], 9, keys, values, torch.tensor([slot]), torch.tensor([length]))
+            kernel.decode_rows(torch.tensor([slot]), torch.tensor([length]), 6, MAX_LEN)
