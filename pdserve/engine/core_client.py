@@ -18,6 +18,7 @@ stream ends, or heartbeats stop for :data:`HEARTBEAT_TIMEOUT_S`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
@@ -161,7 +162,10 @@ class EngineCoreClient:
         if self._sock is None:
             return
         if self._dead is None:
-            self._send(Goodbye())
+            # zmq.Again: the DEALER has no peer left, the core closed its socket first (an in-process loop that
+            # saw its stop flag on a turn something else woke): there is no one to say goodbye to.
+            with contextlib.suppress(zmq.Again):
+                self._send(Goodbye())
         self._die("engine client shut down")
         for task in self._tasks:
             task.cancel()

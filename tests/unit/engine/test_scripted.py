@@ -203,3 +203,22 @@ def test_a_stream_interval_folds_the_outputs_in_the_engine() -> None:
     outs = serve(eng, lambda: collect(eng, req))
     assert [len(o.new_token_ids) for o in outs] == [1, 4, 4, 3]
     assert ids(outs) == list(range(10, 22)) and outs[-1].finish_reason == "length"
+
+
+def test_shutdown_is_clean_when_the_loop_has_already_closed_its_socket() -> None:
+    """The loop may see ``stopped`` on a turn something else woke and close its socket before the client's
+    goodbye goes out (seen in `pdserve bench interference` as zmq.Again out of shutdown)."""
+    eng = engine()
+
+    async def go() -> None:
+        await eng.start()
+        assert eng._server is not None and eng._thread is not None
+        eng._server.stopped = True
+        await eng.abort(["nobody"])  # wakes a turn, after which the loop leaves and closes its socket
+        thread = eng._thread
+        await asyncio.to_thread(thread.join, 10)
+        assert not thread.is_alive()
+        await eng.shutdown()
+        assert not eng.is_healthy()
+
+    asyncio.run(go())
