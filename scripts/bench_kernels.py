@@ -1,7 +1,8 @@
 """pdserve's float32 CPU kernels against what they replace, on this machine (docs/benchmarks.md, "pdserve's own
-kernels"): the linear layers against oneDNN's prepacked matmul, decode attention against torch's SDPA, with
-SmolLM2-135M's shapes and random values. Medians of repeated calls; the attention reads a 30-layer cache laid out
-as the engine's (an anonymous mapping without huge pages), so keys and values come from memory, as in a step.
+kernels"): the linear layers against oneDNN's prepacked matmul, decode attention and a small prompt chunk's
+attention against torch's SDPA, with SmolLM2-135M's shapes and random values. Medians of repeated calls; the
+attention reads a 30-layer cache laid out as the engine's (an anonymous mapping without huge pages), so keys and
+values come from memory, as in a step.
 
     .venv/bin/python scripts/bench_kernels.py [--threads 1,2]
 """
@@ -62,9 +63,10 @@ def attention(threads: int, rows: int, length: int) -> str:
     mask = torch.zeros(rows, 1, 1, span).masked_fill_(
         (torch.arange(span)[None, :] > positions[:, None])[:, None, None, :], float("-inf"))
 
-    def ours() -> None:
+    def ours() -> None:  # as the engine calls it: the rows checked once per step, then every layer
+        plan = native.decode_rows(slots, positions + 1, cache.num_slots, cache.max_len)
         for layer in range(LAYERS):
-            native.decode_attention(heads, cfg.num_heads, cache.keys[layer], cache.values[layer], slots, positions + 1)
+            native.decode_attention(heads, cfg.num_heads, cache.keys[layer], cache.values[layer], plan)
 
     def sdpa() -> None:  # as the engine calls it: one call over the run of slots, the cache read in place
         for layer in range(LAYERS):
@@ -73,6 +75,35 @@ def attention(threads: int, rows: int, length: int) -> str:
 
     a, b = median_ms(ours, 9), median_ms(sdpa, 9)
     return f"| decode attention, {LAYERS} layers, {length} positions | {threads} | {rows} | {a:.1f} ms | {b:.1f} ms | {b / a:.2f}× |"
+
+
+def chunk_attention(threads: int, rows: int, cached: int) -> str:
+    """A prompt chunk's rows after ``cached`` positions of its own slot, each up to its own position: the kernel's
+    grouped rows against the masked SDPA call the engine makes for a larger chunk (as ``_cached_attention``)."""
+    torch.set_num_threads(threads)
+    native = load_native_kernels()
+    cfg = SMOLLM2
+    cache = KVCache(cfg, 2, cached + 512, torch.float32)
+    cache.data.normal_()
+    heads = torch.randn(rows, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+    positions = torch.arange(cached, cached + rows)
+    span = -(-(cached + rows) // 16) * 16
+    mask = (torch.arange(span)[None, :] <= positions[:, None])[None, None]
+
+    def ours() -> None:
+        plan = native.decode_rows(torch.zeros(rows, dtype=torch.long), positions + 1, cache.num_slots, cache.max_len)
+        for layer in range(LAYERS):
+            native.decode_attention(heads, cfg.num_heads, cache.keys[layer], cache.values[layer], plan)
+
+    def sdpa() -> None:
+        for layer in range(LAYERS):
+            F.scaled_dot_product_attention(heads[:, : cfg.num_heads].transpose(0, 1)[None],
+                                           cache.keys[layer, 0, :, :span][None], cache.values[layer, 0, :, :span][None],
+                                           attn_mask=mask, enable_gqa=True)
+
+    a, b = median_ms(ours, 7), median_ms(sdpa, 7)
+    return (f"| chunk attention, {LAYERS} layers, after {cached} positions | {threads} | {rows} | {a:.1f} ms | "
+            f"{b:.1f} ms | {b / a:.2f}× |")
 
 
 def main() -> None:
@@ -87,6 +118,8 @@ def main() -> None:
             print(line, flush=True)
         for rows, length in ((1, 1050), (8, 256), (8, 1050)):
             print(attention(threads, rows, length), flush=True)
+        for rows, cached in ((8, 1024), (24, 1024), (120, 1024), (8, 4000), (24, 4000), (120, 4000)):
+            print(chunk_attention(threads, rows, cached), flush=True)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,9 @@ SPLIT_KEY_ROWS = 256
 # decode row alone among them, round differently from the others; rows in whole groups of 4 agree whatever the
 # block's size and wherever the row sits in it (on the AVX-512 hosts every row did already).
 INVARIANT_QUERY_ROWS = 4
+# A prompt chunk of at most this many rows attends in pdserve's decode attention kernel, where the kernels run:
+# one row after another, each over its own positions (SDPA's masked call costs as much for 8 rows as for ~100).
+NATIVE_CHUNK_ROWS = 128
 # Largest decode batch computed in one pass (rows beyond run in further passes).
 DECODE_MICROBATCH = 64
 # Rows of every linear-layer kernel call in the batch-invariant mode: the default max_num_seqs,
@@ -444,7 +447,9 @@ class LlamaForCausalLM:
 
         The chunk's slot holds the prompt's earlier chunks. From position 0 a chunk computes what
         :meth:`prefill_batch` does for one prompt; later chunks attend over the cached keys, each row up to
-        its own position (a mask over the key span; keys past a row add exact zeros). Their rows match an
+        its own position (a mask over the key span; keys past a row add exact zeros). Where pdserve's kernels
+        run, a chunk of up to :data:`NATIVE_CHUNK_ROWS` rows attends as decode rows, in the same kernel call as
+        the step's decode rows. Their rows match an
         unchunked prefill's to rounding; bit for bit in the batch-invariant mode, where :meth:`prefill_batch`
         computes its attention the same way (tests/unit/engine/test_models.py).
         """
@@ -457,21 +462,31 @@ class LlamaForCausalLM:
         cfg, size = self.cfg, chunk.ids.shape[0]
         chunk_positions = torch.arange(chunk.start, chunk.start + size)
         all_positions = torch.cat([positions, chunk_positions])
-        flat_rows = cache.flat_rows(torch.cat([slots, torch.full((size,), chunk.slot)]), all_positions)
-        plan = self._decode_plan(positions, slots, cache) if rows else []
+        all_slots = torch.cat([slots, torch.full((size,), chunk.slot)])
+        flat_rows = cache.flat_rows(all_slots, all_positions)
+        # A small chunk's rows attend in pdserve's kernel as decode rows do, each over its own positions, in one
+        # call with the decode rows: SDPA takes as long for a few query rows over a long cached prefix as for many.
+        rows_as_decode = self._native_attention is not None and size <= NATIVE_CHUNK_ROWS
+        if rows_as_decode:
+            plan = self._decode_plan(all_positions, all_slots, cache)
+        else:
+            plan = self._decode_plan(positions, slots, cache) if rows else []
         causal_own_rows = chunk.start == 0 and not self.batch_invariant  # as prefill_batch computes a prompt
-        chunk_mask = None if causal_own_rows else self._chunk_mask(chunk_positions, cache.max_len)
+        chunk_mask = None if causal_own_rows or rows_as_decode else self._chunk_mask(chunk_positions, cache.max_len)
         cos, sin = self._rope_tables(all_positions)
         x = F.embedding(torch.cat([token_ids, chunk.ids]), self.embed)
         for i, layer in enumerate(self.layers):
             heads = self._project(layer, x, cos, sin)
             cache.store(i, flat_rows, heads[:, cfg.num_heads :])
-            if chunk_mask is None:
-                attn = self._prompt_attention(heads[rows:], [size])
+            if rows_as_decode:
+                attn = self._decode_attention(cache, i, heads, plan)
             else:
-                attn = self._cached_attention(cache, i, chunk.slot, heads[rows:, : cfg.num_heads], chunk_mask)
-            if rows:
-                attn = torch.cat([self._decode_attention(cache, i, heads[:rows], plan), attn])
+                if chunk_mask is None:
+                    attn = self._prompt_attention(heads[rows:], [size])
+                else:
+                    attn = self._cached_attention(cache, i, chunk.slot, heads[rows:, : cfg.num_heads], chunk_mask)
+                if rows:
+                    attn = torch.cat([self._decode_attention(cache, i, heads[:rows], plan), attn])
             x = x + layer.o(attn)
             x = self._mlp(layer, x)
         hidden = self._rms_norm(x, self.norm)

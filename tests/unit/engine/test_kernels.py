@@ -210,6 +210,39 @@ def test_decode_attention_gives_a_row_its_bits_alone_in_any_batch_on_any_threads
         assert torch.equal(together[i], row[0]), f"row {i} of {len(rows)} on {threads} threads"
 
 
+@settings(max_examples=15, deadline=None)
+@given(
+    start=st.integers(0, MAX_LEN - 40),
+    size=st.integers(1, 40),
+    decode_slots=st.lists(st.integers(0, 5), max_size=4),
+    threads=st.sampled_from([1, 2]),
+    shape=st.sampled_from(HEADS),
+)
+def test_a_prompt_chunks_rows_in_one_slot_get_their_bits_alone_and_exact_attention(
+    kernel: NativeKernels, start: int, size: int, decode_slots: list[int], threads: int, shape: tuple[int, int, int]
+) -> None:
+    """A chunk's rows (one slot, each up to its own position) are computed in groups that share the keys' reads
+    (attend_group); each still gets the bits it gets alone, beside decode rows of other slots."""
+    keys, values, heads = attention_case(*shape)
+    heads = torch.cat([heads] * 4)  # up to 44 rows
+    slots = torch.tensor([*decode_slots, *[3] * size])
+    lengths = torch.tensor([*(MAX_LEN - 7 * i for i in range(len(decode_slots))), *range(start + 1, start + size + 1)])
+    batch = heads[: len(slots)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [kernel.decode_attention(batch[i : i + 1], shape[0], keys, values,
+                                         kernel.decode_rows(slots[i : i + 1], lengths[i : i + 1], 6, MAX_LEN))[0]
+                 for i in range(len(slots))]
+        torch.set_num_threads(threads)
+        together = kernel.decode_attention(batch, shape[0], keys, values, kernel.decode_rows(slots, lengths, 6, MAX_LEN))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(together, torch.stack(alone))
+    exact = exact_attention(batch, shape[0], keys, values, slots.tolist(), lengths.tolist())
+    assert float((together.double() - exact).abs().max()) < 1e-5
+
+
 def test_decode_attention_refuses_what_it_cannot_read(kernel: NativeKernels) -> None:
     keys, values, heads = attention_case(9, 3, 64)
     one = torch.tensor([1])

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.checkpoints.gguf_tensors import unpermute_rope_rows
+from pdserve.engine import kernels
 from pdserve.engine.models import (
     DECODE_MICROBATCH,
     KVCache,
@@ -17,7 +18,14 @@ from pdserve.engine.models import (
     Qwen3ForCausalLM,
     model_config,
 )
-from pdserve.engine.models.llama import ATTENTION_SPAN_ALIGN, INVARIANT_ROWS, SPLIT_KEY_ROWS, Linear, PromptChunk
+from pdserve.engine.models.llama import (
+    ATTENTION_SPAN_ALIGN,
+    INVARIANT_ROWS,
+    NATIVE_CHUNK_ROWS,
+    SPLIT_KEY_ROWS,
+    Linear,
+    PromptChunk,
+)
 from tests.unit.engine.rope_rows import permute_rope_rows
 
 # (out, in) of every linear in SmolLM2-135M (qkv, o, gate_up, down, lm_head) and qwen3-tiny.
@@ -405,3 +413,59 @@ def test_default_chunked_prefill_is_within_rounding_of_unchunked(cls: type[Llama
     model, ids, hidden, kv = _unchunked(cls, torch.float32, False)
     chunked_hidden, chunked_kv = _chunked(model, ids, [300, 257, 513], torch.float32)
     assert torch.allclose(chunked_hidden, hidden, atol=1e-4) and torch.allclose(chunked_kv, kv, atol=1e-4)
+
+
+def _chunks_beside_decode_rows(model: LlamaForCausalLM, ids: torch.Tensor, sizes: list[int]
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ids`` prefilled into slot 1 in chunks of ``sizes`` (the rest in one last chunk), each step beside decode
+    rows of two sequences in slots 0 and 2: the chunks' hidden states, the decode rows' and slot 1's cache."""
+    cache = KVCache(model.cfg, 3, CHUNKED_CACHE, torch.float32)
+    gen = torch.Generator().manual_seed(9)
+    for slot, length in ((0, 40), (2, 700)):
+        model.prefill(torch.randint(0, 1000, (length,), generator=gen), cache, slot)
+    slots, positions = torch.tensor([0, 2]), torch.tensor([40, 700])
+    chunk_outs, decode_outs, start = [], [], 0
+    for size in [*sizes, ids.shape[0]]:
+        end = min(start + size, ids.shape[0])
+        if end > start:
+            decoded, chunked = model.step(torch.randint(0, 1000, (2,), generator=gen), positions, slots,
+                                          PromptChunk(ids[start:end], start, 1), cache)
+            chunk_outs.append(chunked)
+            decode_outs.append(decoded)
+            positions = positions + 1
+        start = end
+    return torch.cat(chunk_outs), torch.cat(decode_outs), cache.data[:, :, 1, :, : ids.shape[0]]
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= kernels.cpu_flags(), reason="pdserve's kernels need AVX2 and FMA")
+@pytest.mark.parametrize("cls", [LlamaForCausalLM, Qwen3ForCausalLM])
+def test_small_chunks_attending_in_pdserve_kernel_match_sdpa_and_the_unchunked_prompt(
+    cls: type[LlamaForCausalLM],
+) -> None:
+    """A chunk of up to NATIVE_CHUNK_ROWS rows attends in the decode kernel, in one call with the step's decode
+    rows: its rows, the decode rows and the cache agree to rounding with SDPA's masked path and with one prefill."""
+    _, ids, hidden, kv = _unchunked(cls, torch.float32, False)
+    sizes = [300, 1, NATIVE_CHUNK_ROWS, 17, NATIVE_CHUNK_ROWS + 1, 40]
+    native, sdpa = (_random_model(cls, torch.float32, max_positions=CHUNKED_CACHE) for _ in range(2))
+    counting = _RowCountingKernels(kernels.load_native_kernels())
+    native._native_attention, sdpa._native_attention = counting, None  # type: ignore[assignment]
+    by_kernel, by_sdpa = _chunks_beside_decode_rows(native, ids, sizes), _chunks_beside_decode_rows(sdpa, ids, sizes)
+    for ours, theirs in zip(by_kernel, by_sdpa, strict=True):
+        assert torch.allclose(ours, theirs, atol=1e-4)
+    assert torch.allclose(by_kernel[0], hidden, atol=1e-4) and torch.allclose(by_kernel[2], kv, atol=1e-4)
+    # Every layer's call: the 2 decode rows with each small chunk's rows, alone beside a larger chunk's SDPA call.
+    layers = native.cfg.num_layers
+    expected = [2, 2 + 1, 2 + NATIVE_CHUNK_ROWS, 2 + 17, 2, 2 + 40, 2]  # chunks of 300, 1, 64, 17, 65, 40, the rest
+    assert counting.rows == [rows for rows in expected for _ in range(layers)]
+
+
+class _RowCountingKernels:
+    """pdserve's kernels, recording how many rows each decode attention call computes."""
+
+    def __init__(self, inner: kernels.NativeKernels) -> None:
+        self.inner, self.rows = inner, list[int]()
+        self.decode_rows = inner.decode_rows
+
+    def decode_attention(self, heads: torch.Tensor, *args: object) -> torch.Tensor:
+        self.rows.append(heads.shape[0])
+        return self.inner.decode_attention(heads, *args)  # type: ignore[arg-type]
