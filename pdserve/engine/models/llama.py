@@ -402,7 +402,8 @@ class LlamaForCausalLM:
 
         Everything but attention runs over the rows of all prompts at once, so each weight is
         read once per layer for the batch instead of once per prompt; attention is causal over
-        each prompt's own rows, and over its cached positions too when it starts past 0. Returns
+        each prompt's own rows, and over its cached positions too when it starts past 0 (in pdserve's kernel
+        for up to :data:`NATIVE_CHUNK_ROWS` rows, where it runs). Returns
         final hidden states ``[sum(lengths), hidden]``, the prompts' rows in order. In the
         batch-invariant mode a prompt gets the bits it gets alone, and wherever it starts: the
         fixed-row linears give a row the same bits wherever it sits in a call, and attention
@@ -415,21 +416,27 @@ class LlamaForCausalLM:
         positions = torch.cat(spans)
         row_slots = torch.tensor(slots).repeat_interleave(torch.tensor(lengths))
         flat_rows = cache.flat_rows(row_slots, positions)
-        # None: causal attention over the prompt's own rows (from position 0, outside the batch-invariant mode).
-        masks = [None if start == 0 and not self.batch_invariant else self._chunk_mask(span, cache.max_len)
-                 for start, span in zip(starts, spans, strict=True)]
+        # A few rows past a cached prefix attend in pdserve's kernel where it runs, as a small chunk's do (step);
+        # the others causally over their own rows (None: from position 0, outside the batch-invariant mode), or
+        # over the cached keys under a mask.
+        plans = [self._decode_plan(span, torch.full((len(span),), slot), cache)
+                 if start > 0 and self._native_attention is not None and len(span) <= NATIVE_CHUNK_ROWS else None
+                 for start, span, slot in zip(starts, spans, slots, strict=True)]
+        masks = [None if plan is not None or (start == 0 and not self.batch_invariant)
+                 else self._chunk_mask(span, cache.max_len) for start, span, plan in zip(starts, spans, plans, strict=True)]
         cos, sin = self._rope_tables(positions)
         x = F.embedding(token_ids, self.embed)
         for i, layer in enumerate(self.layers):
             heads = self._project(layer, x, cos, sin)
             cache.store(i, flat_rows, heads[:, cfg.num_heads :])
-            if all(mask is None for mask in masks):
+            if all(mask is None and plan is None for mask, plan in zip(masks, plans, strict=True)):
                 attn = self._prompt_attention(heads, lengths)
             else:
                 attn = torch.cat([
-                    self._prompt_attention(rows, [rows.shape[0]]) if mask is None
+                    self._decode_attention(cache, i, rows, plan) if plan is not None
+                    else self._prompt_attention(rows, [rows.shape[0]]) if mask is None
                     else self._cached_attention(cache, i, slot, rows[:, : cfg.num_heads], mask)
-                    for rows, slot, mask in zip(heads.split(list(lengths)), slots, masks, strict=True)
+                    for rows, slot, mask, plan in zip(heads.split(list(lengths)), slots, masks, plans, strict=True)
                 ])
             x = x + layer.o(attn)
             x = self._mlp(layer, x)

@@ -469,3 +469,25 @@ class _RowCountingKernels:
     def decode_attention(self, heads: torch.Tensor, *args: object) -> torch.Tensor:
         self.rows.append(heads.shape[0])
         return self.inner.decode_attention(heads, *args)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= kernels.cpu_flags(), reason="pdserve's kernels need AVX2 and FMA")
+@pytest.mark.parametrize("cls", [LlamaForCausalLM, Qwen3ForCausalLM])
+def test_prompts_past_a_cached_prefix_attend_in_pdserve_kernel_up_to_its_row_limit(cls: type[LlamaForCausalLM]) -> None:
+    """Prefix-cache hits in one batched prefill: the prompt with few rows left attends in the kernel, the longer
+    one under SDPA's mask; both agree to rounding with the whole prompt prefilled at once, and with SDPA alone."""
+    _, ids, hidden, _ = _unchunked(cls, torch.float32, False)
+    starts, end = [CHUNKED_PROMPT - NATIVE_CHUNK_ROWS, CHUNKED_PROMPT - NATIVE_CHUNK_ROWS - 1], CHUNKED_PROMPT
+    native, sdpa = (_random_model(cls, torch.float32, max_positions=CHUNKED_CACHE) for _ in range(2))
+    counting = _RowCountingKernels(kernels.load_native_kernels())
+    native._native_attention, sdpa._native_attention = counting, None  # type: ignore[assignment]
+    outs = []
+    for model in (native, sdpa):
+        cache = KVCache(model.cfg, 2, CHUNKED_CACHE, torch.float32)
+        for slot, start in enumerate(starts):
+            model.prefill(ids[:start], cache, slot)  # the cached prefix
+        outs.append(model.prefill_batch(torch.cat([ids[start:end] for start in starts]),
+                                        [end - start for start in starts], [0, 1], cache, starts))
+    reference = torch.cat([hidden[start:end] for start in starts])
+    assert torch.allclose(outs[0], outs[1], atol=1e-4) and torch.allclose(outs[0], reference, atol=1e-4)
+    assert counting.rows == [NATIVE_CHUNK_ROWS] * native.cfg.num_layers  # the longer prompt took SDPA
