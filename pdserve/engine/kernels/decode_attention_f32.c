@@ -75,11 +75,12 @@ static inline __m256 dot8(const float *q, const float *k, size_t head_dim) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* acc[h][c] += sum_j s[h][j] v[j][c] over positions [begin, end), for `heads` heads (scores `stride` apart) and
- * `width` x 8 columns of the values (rows `head_dim` apart); the accumulators live in `acc` (laid out as the
- * output, `head_dim` per head) between calls. Constants at every call, so the loops unroll into registers, and
- * one FMA chain per accumulator in position order: blocks of positions give the sums of one pass over them all. */
-static inline __attribute__((always_inline)) void weigh(const float *s, size_t stride, size_t begin, size_t end,
+/* acc[h][c] += sum_j s[h][j] v[j][c] over positions [begin, end) of a row's `length`, for `heads` heads (scores
+ * `length` apart) and `width` x 8 columns of the values (rows `head_dim` apart); the accumulators live in `acc`
+ * (laid out as the output, `head_dim` per head) between calls. Constants at every call, so the loops unroll into
+ * registers, and one FMA chain per accumulator in position order: blocks of positions give the sums of one pass
+ * over them all. */
+static inline __attribute__((always_inline)) void weigh(const float *s, size_t length, size_t begin, size_t end,
                                                          const float *values, size_t head_dim, float *acc_memory,
                                                          const int heads, const int width, const int prefetch) {
     __m256 acc[3][4];
@@ -87,9 +88,9 @@ static inline __attribute__((always_inline)) void weigh(const float *s, size_t s
         for (int i = 0; i < width; i++) acc[h][i] = _mm256_loadu_ps(acc_memory + h * head_dim + 8 * i);
     for (size_t j = begin; j < end; j++) {
         const float *v = values + j * head_dim;
-        if (prefetch && j % 8 == 0) prefetch_rows(values, j + PREFETCH_ROWS, 8, stride, head_dim);
+        if (prefetch && j % 8 == 0) prefetch_rows(values, j + PREFETCH_ROWS, 8, length, head_dim);
         for (int h = 0; h < heads; h++) {
-            const __m256 w = _mm256_set1_ps(s[h * stride + j]);
+            const __m256 w = _mm256_set1_ps(s[h * length + j]);
             for (int i = 0; i < width; i++) acc[h][i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), acc[h][i]);
         }
     }

@@ -57,8 +57,9 @@ SPLIT_KEY_ROWS = 256
 # decode row alone among them, round differently from the others; rows in whole groups of 4 agree whatever the
 # block's size and wherever the row sits in it (on the AVX-512 hosts every row did already).
 INVARIANT_QUERY_ROWS = 4
-# A prompt chunk of at most this many rows attends in pdserve's decode attention kernel, where the kernels run:
-# one row after another, each over its own positions (SDPA's masked call costs as much for 8 rows as for ~100).
+# A prompt chunk (or a prompt past a cached prefix) of at most this many rows attends in pdserve's decode attention
+# kernel, where the kernels run: each row over its own positions, rows of one slot sharing each block of keys. Over
+# 8-120 rows it took 0.95-1.96x less time than SDPA's masked call (scripts/bench_kernels.py, the AVX2 EPYC).
 NATIVE_CHUNK_ROWS = 128
 # Largest decode batch computed in one pass (rows beyond run in further passes).
 DECODE_MICROBATCH = 64
@@ -420,7 +421,7 @@ class LlamaForCausalLM:
         # the others causally over their own rows (None: from position 0, outside the batch-invariant mode), or
         # over the cached keys under a mask.
         plans = [self._decode_plan(span, torch.full((len(span),), slot), cache)
-                 if start > 0 and self._native_attention is not None and len(span) <= NATIVE_CHUNK_ROWS else None
+                 if start > 0 and self._kernel_attends(len(span)) else None
                  for start, span, slot in zip(starts, spans, slots, strict=True)]
         masks = [None if plan is not None or (start == 0 and not self.batch_invariant)
                  else self._chunk_mask(span, cache.max_len) for start, span, plan in zip(starts, spans, plans, strict=True)]
@@ -473,7 +474,7 @@ class LlamaForCausalLM:
         flat_rows = cache.flat_rows(all_slots, all_positions)
         # A small chunk's rows attend in pdserve's kernel as decode rows do, each over its own positions, in one
         # call with the decode rows: SDPA takes as long for a few query rows over a long cached prefix as for many.
-        rows_as_decode = self._native_attention is not None and size <= NATIVE_CHUNK_ROWS
+        rows_as_decode = self._kernel_attends(size)
         if rows_as_decode:
             plan = self._decode_plan(all_positions, all_slots, cache)
         else:
@@ -577,6 +578,11 @@ class LlamaForCausalLM:
             x = x + layer.o(self._decode_attention(cache, i, heads, plan))
             x = self._mlp(layer, x)
         return self._rms_norm(x, self.norm)
+
+    def _kernel_attends(self, prompt_rows: int) -> bool:
+        """Whether that many rows of one prompt past its cached positions attend in pdserve's kernel, as decode
+        rows do (:data:`NATIVE_CHUNK_ROWS`), rather than in SDPA's masked call."""
+        return self._native_attention is not None and prompt_rows <= NATIVE_CHUNK_ROWS
 
     def _decode_plan(
         self, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache
