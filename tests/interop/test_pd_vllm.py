@@ -134,9 +134,12 @@ def servers(model_dir: Path) -> Iterator[Servers]:
                  "mixed": (stock_prefill, ours_decode, "inline")}
         proxies = {name: proxy(render_server, p, d, mode) for name, (p, d, mode) in pairs.items()}
         start(*proxies.values())
-        hand_offs = [(p, d) for p, d, _ in pairs.values()] + [(spare_prefill, ours_decode), (spare_prefill, stock_decode)]
-        with ThreadPoolExecutor(len(hand_offs)) as pool:  # pdserve up --engine vllm's warm-up, pair by pair
-            list(pool.map(lambda pair: hand_off(pair[0].url, pair[1].url, 600), hand_offs))
+        with ThreadPoolExecutor(len(pairs)) as pool:  # pdserve up --engine vllm's warm-up, pair by pair
+            list(pool.map(lambda pair: hand_off(pair[0].url, pair[1].url, 600), pairs.values()))
+        # The spare's lease is short: its hand-offs wait until both decode engines are warm and idle, one at a
+        # time, or a decode leg still busy with its first pulls can start this one past the lease (seen in CI).
+        for decode in (ours_decode, stock_decode):
+            hand_off(spare_prefill.url, decode.url, 600)
         fleets = {name: Fleet(p, d, proxies[name]) for name, (p, d, _) in pairs.items()}
         yield Servers(render_server, stock_decode, fleets, spare_prefill)
     finally:
