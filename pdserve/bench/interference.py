@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -29,6 +30,23 @@ from pdserve.protocol.engine import EngineRequest, SequenceSampling
 
 SECTION_HEADING = "## A long prompt among running streams (pdserve bench interference)"
 DEFAULT_DOCS = Path("docs/benchmarks.md")
+# --max-num-seqs of every engine the bench builds: the streams and the long prompt run at once, none waits.
+SLOTS = 16
+
+
+def check_arguments(prompt_tokens: int, streams: int, budgets: Sequence[int]) -> None:
+    """Refuse, before any engine is built, what a run would fail on budgets in (an engine refuses a budget below
+    its slots) or measure wrongly (a prompt that waits for a slot)."""
+    if prompt_tokens < 1:
+        raise ValueError("--prompt-tokens must be at least 1")
+    if not 1 <= streams < SLOTS:
+        raise ValueError(f"--streams must be 1 to {SLOTS - 1}: the engine has {SLOTS} slots, one for the long prompt")
+    if not budgets:
+        raise ValueError("--budgets needs at least one --max-num-batched-tokens value")
+    small = [budget for budget in budgets if budget < SLOTS]
+    if small:
+        raise ValueError(f"--budgets {','.join(map(str, small))}: a step's token budget must be at least the "
+                         f"engine's {SLOTS} slots (--max-num-seqs), as every running sequence decodes a token each step")
 
 
 async def _interference(engine: Engine, chats: list[list[int]], long_prompt: list[int], streams: int,
@@ -79,12 +97,13 @@ def run_interference_bench(
     model: str = "smollm2-135m", *, dtype: str = "auto", prompt_tokens: int = 4096, streams: int = 8,
     budgets: Sequence[int] = (8192, 2048, 256, 64), warmup_tokens: int = 16,
 ) -> dict[str, Any]:
+    check_arguments(prompt_tokens, streams, budgets)
     chats, long_prompt = chat_and_long_prompts(model, prompt_tokens)
     chosen = choose_dtype(dtype)
     rows = {}
     for budget in budgets:
         spec = EngineSpec(kind="torch", model=model, dtype=chosen.dtype, dtype_reason=chosen.reason,
-                          max_num_seqs=16, max_num_batched_tokens=budget, max_model_len=prompt_tokens + 512)
+                          max_num_seqs=SLOTS, max_num_batched_tokens=budget, max_model_len=prompt_tokens + 512)
 
         async def run(spec: EngineSpec = spec) -> dict[str, float]:
             engine = build_engine(spec)
@@ -155,7 +174,17 @@ def add_interference_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_interference_cli(args: argparse.Namespace) -> int:
+    try:
+        budgets = [int(budget) for budget in args.budgets.split(",")]
+    except ValueError:
+        print(f"pdserve: --budgets takes whole numbers, comma-separated (got {args.budgets!r})", file=sys.stderr)
+        return 2
+    try:
+        check_arguments(args.prompt_tokens, args.streams, budgets)
+    except ValueError as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 2
     results = run_interference_bench(args.model, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
-                                     streams=args.streams, budgets=[int(b) for b in args.budgets.split(",")])
+                                     streams=args.streams, budgets=budgets)
     publish_section(SECTION_HEADING, docs_section(results), None if args.no_docs else args.docs)
     return 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from pdserve.cli import main
 
 
@@ -23,6 +25,22 @@ def test_the_bench_measures_every_budget_and_writes_both_ratios(tmp_path: Path) 
         # The ratios come from unrounded times; the cells are rounded to whole ms and the ratios to 0.1.
         assert within_rounding(float(against_before.removesuffix("×")), p99, pace)
         assert within_rounding(float(against_while.removesuffix("×")), p99, p50)
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--budgets", "64,8"], "--budgets 8: a step's token budget must be at least the engine's 16 slots"),
+    (["--budgets", "64,lots"], "--budgets takes whole numbers"),
+    (["--streams", "16"], "--streams must be 1 to 15"),
+    (["--streams", "0"], "--streams must be 1 to 15"),
+    (["--prompt-tokens", "0"], "--prompt-tokens must be at least 1"),
+])
+def test_arguments_a_run_would_fail_on_are_refused_before_it_starts(flags: list[str], named: str, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    docs = tmp_path / "benchmarks.md"
+    assert main(["bench", "interference", "--model", "qwen3-tiny", "--docs", str(docs), *flags]) == 2
+    captured = capsys.readouterr()
+    assert named in captured.err and "--max-num-batched-tokens" not in captured.out  # no budget ran
+    assert not docs.exists()
 
 
 def within_rounding(ratio: float, top_ms: float, bottom_ms: float) -> bool:
