@@ -145,8 +145,9 @@ def docs_section(results: dict[str, Any]) -> str:
         "* A step with a chunk runs the decode rows and the chunk's rows through the weights in one pass; the "
         "chunk's attention reads every cached key of the prompt so far, so while streams decode a chunk gets no "
         "more rows than keep that under the budget times 1,024 key rows (`CHUNK_ATTENTION_SPAN`), down to 128 "
-        "rows (`CHUNK_MIN_ROWS`): late chunks of a long prompt are smaller than early ones at large budgets, and "
-        "a smaller budget trades the prompt's TTFT for the streams' pace (docs/engine.md, chunked prefill).",
+        "rows where SDPA attends the chunk and 8 where pdserve's kernel does (the model's `chunk_min_rows`): late "
+        "chunks of a long prompt are smaller than early ones at large budgets, and a smaller budget trades the "
+        "prompt's TTFT for the streams' pace (docs/engine.md, chunked prefill).",
         "* Two readings of issue 30's target (a p99 at most twice the median): against the streams' pace before "
         "the prompt came (how much slower they got), and against their own median while it prefills (how uneven "
         "their gaps are). The second says little alone: a prefill in one step, a single long stall, can read as "

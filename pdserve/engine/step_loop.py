@@ -57,10 +57,9 @@ PROMPT_LOGPROBS_CHUNK = 256
 # While sequences decode, a prompt chunk's attention reads at most ``max_num_batched_tokens`` times this many key
 # rows (rows times the keys each reads): as if each token of a full budget attended this many positions...
 CHUNK_ATTENTION_SPAN = 1024
-# ... but a chunk is not cut below this many rows: a step has a fixed cost (the weights pass, the decode rows;
-# and SDPA's CPU kernel takes as long for 4 query rows over 4k keys as for 16), so smaller cuts only add steps
-# to the prompt's TTFT without shortening the streams' gaps much (pdserve bench interference, docs/engine.md).
-CHUNK_MIN_ROWS = 128
+# ... but a chunk is not cut below the model's ``chunk_min_rows`` (128 where SDPA attends it, 8 in pdserve's kernel):
+# a step has a fixed cost (the weights pass, the decode rows, a read of the chunk's keys), so smaller cuts only add
+# steps to the prompt's TTFT without shortening the streams' gaps much (pdserve bench interference, docs/engine.md).
 
 
 def chunk_rows_within(computed: int, key_rows: int) -> int:
@@ -234,15 +233,15 @@ class StepLoop:
 
     def _chunk_size(self, budget: int, chunked: ChunkedPrefill) -> int:
         """The next chunk of the prompt prefilled in chunks: what is left of the step's token budget and of the
-        prompt, and, while sequences decode beside it, no more rows (down to :data:`CHUNK_MIN_ROWS`) than keep its
-        attention within :data:`CHUNK_ATTENTION_SPAN` key rows per budget token: a late chunk of a long prompt
-        reads every key before it (without the cap, at the default budget of 2,048, the second chunk of a
+        prompt, and, while sequences decode beside it, no more rows (down to the model's ``chunk_min_rows``) than
+        keep its attention within :data:`CHUNK_ATTENTION_SPAN` key rows per budget token: a late chunk of a long
+        prompt reads every key before it (without the cap, at the default budget of 2,048, the second chunk of a
         4,096-token prompt held 8 streams for 1.5 s; with it, 0.53 s)."""
         size = min(budget, chunked.remaining)
         if not self.scheduler.running:
             return size
         key_rows = self.max_batched_tokens * CHUNK_ATTENTION_SPAN
-        return min(size, max(CHUNK_MIN_ROWS, chunk_rows_within(chunked.computed, key_rows)))
+        return min(size, max(self.model.chunk_min_rows, chunk_rows_within(chunked.computed, key_rows)))
 
     def _prompt_cost(self, req: ScheduledRequest) -> int:
         """Prompt tokens a request's admission computes: none for a decode leg whose KV was pulled, those past

@@ -61,6 +61,14 @@ INVARIANT_QUERY_ROWS = 4
 # kernel, where the kernels run: each row over its own positions, rows of one slot sharing each block of keys. Over
 # 8-120 rows it took 0.95-1.96x less time than SDPA's masked call (scripts/bench_kernels.py, the AVX2 EPYC).
 NATIVE_CHUNK_ROWS = 128
+# The fewest rows a chunk keeps when the step loop cuts it for the streams decoding beside it (its attention capped
+# in keys read): below them a chunk's attention gets little cheaper, and smaller cuts only add steps to the prompt's
+# TTFT. Where SDPA attends it, 128: SDPA's CPU kernel takes about as long for 4 query rows over 4k keys as for 16.
+SDPA_CHUNK_MIN_ROWS = 128
+# Where pdserve's kernel attends it, 8: there a chunk's attention falls with its rows, steeply down to one group of
+# rows that share each read of the keys (GROUP_ROWS in decode_attention_f32.c), slowly below: after 4,000 positions,
+# 30 layers, 2 threads on the AVX2 EPYC, 16 rows took 52 ms, 8 rows 29, 4 rows 24, one row 11.
+KERNEL_CHUNK_MIN_ROWS = 8
 # Largest decode batch computed in one pass (rows beyond run in further passes).
 DECODE_MICROBATCH = 64
 # Rows of every linear-layer kernel call in the batch-invariant mode: the default max_num_seqs,
@@ -578,6 +586,12 @@ class LlamaForCausalLM:
             x = x + layer.o(self._decode_attention(cache, i, heads, plan))
             x = self._mlp(layer, x)
         return self._rms_norm(x, self.norm)
+
+    @property
+    def chunk_min_rows(self) -> int:
+        """The fewest rows of a prompt chunk cut for the streams beside it (the step loop's floor), for the path its
+        attention takes here: :data:`KERNEL_CHUNK_MIN_ROWS` in pdserve's kernel, else :data:`SDPA_CHUNK_MIN_ROWS`."""
+        return KERNEL_CHUNK_MIN_ROWS if self._kernel_attends(KERNEL_CHUNK_MIN_ROWS) else SDPA_CHUNK_MIN_ROWS
 
     def _kernel_attends(self, prompt_rows: int) -> bool:
         """Whether that many rows of one prompt past its cached positions attend in pdserve's kernel, as decode

@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.engine.models import LlamaForCausalLM
+from pdserve.engine.models.llama import KERNEL_CHUNK_MIN_ROWS, SDPA_CHUNK_MIN_ROWS
 from pdserve.engine.runners.torch_runner import TorchSetup
-from pdserve.engine.step_loop import CHUNK_ATTENTION_SPAN, CHUNK_MIN_ROWS, StepLoop, chunk_rows_within
+from pdserve.engine.step_loop import CHUNK_ATTENTION_SPAN, StepLoop, chunk_rows_within
 from pdserve.protocol.engine import EngineInfo, EngineOutput, EngineRequest, SequenceSampling
 
 MAX_NUM_SEQS = 4
@@ -145,8 +146,17 @@ def _chunks_of(steps: StepLoop, rid: str, prompt_len: int) -> tuple[list[tuple[i
     return chunks, outputs
 
 
-def test_beside_running_streams_a_chunk_reads_a_bounded_number_of_keys(tiny_long) -> None:  # type: ignore[no-untyped-def]
-    budget, prompt = 256, list(range(5000, 8000))
+# (budget, the model's floor): SDPA's (the batch-invariant model's own), where it binds late in the prompt; and
+# pdserve's kernel's, set here on the same model, where a smaller budget's cap goes down to it.
+@pytest.mark.parametrize(("budget", "floor", "prompt_len"),
+                         [(256, SDPA_CHUNK_MIN_ROWS, 3000), (16, KERNEL_CHUNK_MIN_ROWS, 2200)])
+def test_beside_running_streams_a_chunk_reads_a_bounded_number_of_keys(
+    tiny_long, budget: int, floor: int, prompt_len: int, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    model, _ = tiny_long
+    if floor != model.chunk_min_rows:
+        monkeypatch.setattr(type(model), "chunk_min_rows", floor)
+    prompt = list(range(5000, 5000 + prompt_len))
     steps = loop_with(tiny_long, budget)
     for i in range(2):
         steps.add(request(f"stream{i}", [500 + i, 600, 700], max_tokens=3000, ignore_eos=True))
@@ -156,12 +166,12 @@ def test_beside_running_streams_a_chunk_reads_a_bounded_number_of_keys(tiny_long
     key_rows = budget * CHUNK_ATTENTION_SPAN
     assert sum(rows for _, rows in chunks) == len(prompt)
     *whole, (_, rest) = chunks  # the last chunk is what was left of the prompt
-    assert rest <= CHUNK_MIN_ROWS
-    assert all(rows <= budget - 2 and (rows == CHUNK_MIN_ROWS or rows * (start + rows) <= key_rows)
-               for start, rows in whole)
-    # Early chunks took what the streams left of the budget; late ones (their rows read ~3,000 keys) were cut,
-    # to the floor.
-    assert whole[0][1] == budget - 2 and whole[-1][1] == CHUNK_MIN_ROWS
+    assert rest <= floor
+    assert all(rows <= budget - 2 and (rows == floor or rows * (start + rows) <= key_rows) for start, rows in whole)
+    # Each chunk took the most rows the streams left of the budget and the key cap allow, never below the floor:
+    # early ones the budget's, late ones (their rows read thousands of keys) cut, to the floor.
+    assert all(rows == min(budget - 2, max(floor, chunk_rows_within(start, key_rows))) for start, rows in whole)
+    assert whole[0][1] == budget - 2 and whole[-1][1] == floor
     # Each step decoded both streams, so they got a token per step however small the chunk.
     tokens = [o for o in outputs if o.request_id.startswith("stream")]
     assert len(tokens) == 2 * len(chunks)

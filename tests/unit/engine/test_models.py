@@ -21,7 +21,9 @@ from pdserve.engine.models import (
 from pdserve.engine.models.llama import (
     ATTENTION_SPAN_ALIGN,
     INVARIANT_ROWS,
+    KERNEL_CHUNK_MIN_ROWS,
     NATIVE_CHUNK_ROWS,
+    SDPA_CHUNK_MIN_ROWS,
     SPLIT_KEY_ROWS,
     Linear,
     PromptChunk,
@@ -449,6 +451,8 @@ def test_small_chunks_attending_in_pdserve_kernel_match_sdpa_and_the_unchunked_p
     native, sdpa = (_random_model(cls, torch.float32, max_positions=CHUNKED_CACHE) for _ in range(2))
     counting = _RowCountingKernels(kernels.load_native_kernels())
     native._native_attention, sdpa._native_attention = counting, None  # type: ignore[assignment]
+    # The step loop's floor for a chunk cut for the streams beside it: one that attends here, in the kernel.
+    assert (native.chunk_min_rows, sdpa.chunk_min_rows) == (KERNEL_CHUNK_MIN_ROWS, SDPA_CHUNK_MIN_ROWS)
     by_kernel, by_sdpa = _chunks_beside_decode_rows(native, ids, sizes), _chunks_beside_decode_rows(sdpa, ids, sizes)
     for ours, theirs in zip(by_kernel, by_sdpa, strict=True):
         assert torch.allclose(ours, theirs, atol=1e-4)
