@@ -224,5 +224,6 @@ class CoreServer:
         try:
             write()
         except OutputStreamClosed as e:
-            log.warning("a client's output stream closed (%s): its requests are aborted", e)
+            if not self.stopped:  # a stopping loop's clients close theirs as it ends (an in-process engine's shutdown)
+                log.warning("a client's output stream closed (%s): its requests are aborted", e)
             self._drop_client(identity)

@@ -8,6 +8,7 @@ so the test counts exactly what the core would put on the wire.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import msgspec
@@ -17,6 +18,7 @@ import pytest
 from pdserve.engine.channels import OutputChannels
 from pdserve.engine.core_server import CoreServer
 from pdserve.engine.messages import AddRequest, CoreMessage, Hello, Ready, StepOutputs
+from pdserve.engine.output_stream import OutputStreamClosed
 from pdserve.engine.runners.torch_runner import TorchSetup
 from pdserve.engine.step_loop import StepLoop
 from pdserve.protocol.engine import EngineOutput, EngineRequest, PositionLogprobs, SequenceSampling
@@ -182,3 +184,45 @@ def test_requests_admitted_together_prefill_in_one_batch_and_give_what_they_give
     assert len(plp) == len(requests[1].prompt_token_ids)
     assert {o.index for o in together if o.request_id == "dropped"} == {1}
     assert {o.index for o in together if o.request_id == "pair"} == {0, 1}
+
+
+@pytest.mark.parametrize("stopping", [False, True])
+def test_a_client_whose_output_stream_closed_loses_its_requests_and_is_reported_unless_the_loop_stops(
+    steps: StepLoop, stopping: bool, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stream that breaks under a running loop is a client gone wrong: a warning, and its requests aborted. Under
+    a loop that is stopping (an in-process engine shutting down: its client closes its stream as the loop ends) it
+    is the expected end, and says nothing."""
+    sock, broken = RecordingSocket(), False
+
+    def connect(name: str) -> Any:
+        recording = sock.connect_stream(name)
+
+        class Stream:
+            backlog = 0
+
+            def send(self, payload: bytes) -> None:
+                if broken:
+                    raise OutputStreamClosed("the client's output stream closed")
+                recording.send(payload)
+
+            def close(self) -> None:
+                pass
+
+        return Stream()
+
+    server = CoreServer(steps, sock, parent_pid=0, connect_stream=connect)  # type: ignore[arg-type]
+    server.handle(b"a", Hello(outputs="a"))
+    server.handle(b"a", AddRequest(request("closing", max_tokens=50)))
+    server.turn(0.0)
+    assert server.owners == {"closing": b"a"}
+    broken, server.stopped = True, stopping
+    with caplog.at_level(logging.WARNING, logger="pdserve.engine.core_server"):
+        server.turn(0.0)  # its step's outputs meet the closed stream: dropped, its request aborted
+        assert not server.streams
+        server.turn(0.0)  # the abort takes effect at the next step
+    assert not server.owners
+    warned = [r for r in caplog.records if "output stream closed" in r.getMessage()]
+    assert len(warned) == (0 if stopping else 1)
+    while steps.has_work():  # drain, so the module's step loop is idle again
+        server.turn(0.0)
