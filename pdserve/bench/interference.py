@@ -34,19 +34,25 @@ DEFAULT_DOCS = Path("docs/benchmarks.md")
 SLOTS = 16
 
 
+class BadBenchArguments(ValueError):
+    """An argument a run would fail on or measure wrongly with, refused before any engine is built."""
+
+
 def check_arguments(prompt_tokens: int, streams: int, budgets: Sequence[int]) -> None:
     """Refuse, before any engine is built, what a run would fail on budgets in (an engine refuses a budget below
     its slots) or measure wrongly (a prompt that waits for a slot)."""
     if prompt_tokens < 1:
-        raise ValueError("--prompt-tokens must be at least 1")
+        raise BadBenchArguments("--prompt-tokens must be at least 1")
     if not 1 <= streams < SLOTS:
-        raise ValueError(f"--streams must be 1 to {SLOTS - 1}: the engine has {SLOTS} slots, one for the long prompt")
+        raise BadBenchArguments(f"--streams must be 1 to {SLOTS - 1}: the engine has {SLOTS} slots, one for the "
+                                "long prompt")
     if not budgets:
-        raise ValueError("--budgets needs at least one --max-num-batched-tokens value")
+        raise BadBenchArguments("--budgets needs at least one --max-num-batched-tokens value")
     small = [budget for budget in budgets if budget < SLOTS]
     if small:
-        raise ValueError(f"--budgets {','.join(map(str, small))}: a step's token budget must be at least the "
-                         f"engine's {SLOTS} slots (--max-num-seqs), as every running sequence decodes a token each step")
+        raise BadBenchArguments(f"--budgets {','.join(map(str, small))}: a step's token budget must be at least the "
+                                f"engine's {SLOTS} slots (--max-num-seqs), as every running sequence decodes a token "
+                                "each step")
 
 
 async def _interference(engine: Engine, chats: list[list[int]], long_prompt: list[int], streams: int,
@@ -181,11 +187,10 @@ def run_interference_cli(args: argparse.Namespace) -> int:
         print(f"pdserve: --budgets takes whole numbers, comma-separated (got {args.budgets!r})", file=sys.stderr)
         return 2
     try:
-        check_arguments(args.prompt_tokens, args.streams, budgets)
-    except ValueError as e:
+        results = run_interference_bench(args.model, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
+                                         streams=args.streams, budgets=budgets)
+    except BadBenchArguments as e:  # only check_arguments' refusals: a run's own failures keep their traceback
         print(f"pdserve: {e}", file=sys.stderr)
         return 2
-    results = run_interference_bench(args.model, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
-                                     streams=args.streams, budgets=budgets)
     publish_section(SECTION_HEADING, docs_section(results), None if args.no_docs else args.docs)
     return 0
