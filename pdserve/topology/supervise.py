@@ -106,11 +106,12 @@ def warm_hand_offs(specs: list[MemberSpec], timeout_s: float) -> None:
     say(f"warming {len(urls['prefill']) * len(urls['decode'])} prefill -> decode hand-off(s): vLLM's first "
         "NIXL pull between two engines can take the prefill's whole lease")
     try:
-        seconds = warm_pairs(urls["prefill"], urls["decode"], timeout_s)
+        hand_offs = warm_pairs(urls["prefill"], urls["decode"], timeout_s)
     except (WarmUpFailed, httpx.HTTPError) as e:
         raise StartupFailed(f"a warm-up hand-off failed: {e}") from None
-    for (prefill, decode), took in seconds.items():
-        say(f"hand-off {prefill} -> {decode}: {took:.1f}s")
+    for (prefill, decode), done in hand_offs.items():
+        again = f" (tried again after: {done.failed_pulls[0]})" if done.failed_pulls else ""
+        say(f"hand-off {prefill} -> {decode}: {done.seconds:.1f}s{again}")
 
 
 def run(specs: list[MemberSpec], mode: str, model: str, startup_timeout_s: float = STARTUP_TIMEOUT_S,
