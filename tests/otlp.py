@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -27,6 +27,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
+
+from tests.loopback import LoopbackServer, reply
 
 KINDS = {ProtoSpan.SPAN_KIND_SERVER: "server", ProtoSpan.SPAN_KIND_CLIENT: "client",
          ProtoSpan.SPAN_KIND_INTERNAL: "internal", ProtoSpan.SPAN_KIND_PRODUCER: "producer",
@@ -109,27 +111,19 @@ class Receiver:
                 with receiver._lock:
                     receiver.spans.extend(spans)
                     receiver.posts += 1
-                answer = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
+                reply(self, 200, ExportTraceServiceResponse().SerializeToString(), "application/x-protobuf")
 
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._server = LoopbackServer(Handler)
+        self.url = self._server.url
 
     def __enter__(self) -> Receiver:
-        self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._server.close()
 
     def trace(self, trace_id: str) -> list[Span]:
         with self._lock:

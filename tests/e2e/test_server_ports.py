@@ -3,14 +3,14 @@ the server comes up on a fresh port, and a foreign server answering /health ther
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import httpx
 import pytest
 
 from tests.e2e.test_generate import SCRIPTS
+from tests.loopback import LoopbackServer
 from tests.serverproc import ServerProcess
 
 
@@ -28,14 +28,11 @@ class _AlwaysHealthy(BaseHTTPRequestHandler):
 @pytest.fixture()
 def impostor() -> Iterator[int]:
     """A plain HTTP server on 127.0.0.1 that answers 200 to everything; yields its port."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _AlwaysHealthy)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    server = LoopbackServer(_AlwaysHealthy)
     try:
-        yield server.server_address[1]
+        yield server.port
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
 def test_a_server_whose_port_was_taken_starts_on_another_and_is_itself(impostor: int) -> None:

@@ -6,10 +6,9 @@ between scrapes."""
 from __future__ import annotations
 
 import socket
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
@@ -18,9 +17,10 @@ from pdserve.protocol.kv import KVStats
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.serve.metrics import Metrics
 from pdserve.top.view import TPOT, TTFT
+from tests.loopback import LoopbackServer, reply
 
 
-class MetricsServer:
+class MetricsServer(LoopbackServer):
     """GET /metrics answers ``page()``; anything else 404."""
 
     def __init__(self, page: Callable[[], str]) -> None:
@@ -31,26 +31,12 @@ class MetricsServer:
                 if self.path != "/metrics":
                     self.send_error(404)
                     return
-                body = page().encode()
-                self.send_response(200)
-                self.send_header("content-type", "text/plain; version=0.0.4")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                reply(self, 200, page().encode(), "text/plain; version=0.0.4")
 
             def log_message(self, *args: object) -> None:
                 pass
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                                        daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        super().__init__(Handler)
 
 
 class FakeMember:

@@ -4,16 +4,16 @@ against members on loopback that answer as scripted."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
 from pdserve.topology.warmup import PULL_ATTEMPTS, WarmUpFailed, hand_off, warm_pairs
+from tests.loopback import LoopbackServer, reply
 
 
-class Member:
+class Member(LoopbackServer):
     """A generate endpoint answering the statuses of ``script`` in turn (then 200), recording each body."""
 
     def __init__(self, script: list[int]) -> None:
@@ -27,23 +27,12 @@ class Member:
                 status = member.script.pop(0) if member.script else 200
                 body = {"kv_transfer_params": {"remote_engine_id": "e"}} if status == 200 else \
                     {"error": {"message": f"scripted {status}"}}
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                reply(self, status, json.dumps(body).encode(), "application/json")
 
             def log_message(self, *args: object) -> None:
                 pass
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
-        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        super().__init__(Handler)
 
 
 @pytest.fixture
