@@ -59,20 +59,21 @@ class OutputConfig:
     encoded_logprobs: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class ChoiceUpdate:
-    """What one engine output released for one choice."""
+    """What one engine output released for one choice. One is made per token, so it has slots, and the
+    fields every update sets come first: the hot paths pass them by position (keywords cost as much again)."""
 
     index: int
     token_ids: list[int]
     logprobs: list[PositionLogprobs | None] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
     text: str = ""
     delta: StreamDelta | None = None
     decoded_logprobs: list[TokenLogprobs] | None = None
     # The same entries as a JSON array, when the config asks for them encoded (OutputConfig.encoded_logprobs).
     logprobs_json: bytes | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
     # The choice hides reasoning, so its ids and logprobs are withheld (ChoiceState.hides_metadata).
     hides_metadata: bool = False
 
@@ -151,7 +152,7 @@ class ChoiceState:
 
     def add(self, out: EngineOutput) -> ChoiceUpdate | None:
         """Fold one engine output in; returns what to send for it (None once finished)."""
-        if self.finished:
+        if self.finish_reason is not None:
             return None
         detok = self.detok
         if detok is None:
@@ -183,11 +184,10 @@ class ChoiceState:
             self._extend_logprobs(out, len(self.token_ids) - before)
         if not self._decodes_text:
             new_logprobs = self.logprobs[before:] if self.config.want_logprobs else None
-            return ChoiceUpdate(self.index, self.token_ids[before:], new_logprobs, finish_reason=finish,
-                                stop_reason=stop_reason)
+            return ChoiceUpdate(self.index, self.token_ids[before:], new_logprobs, finish, stop_reason)
 
         ids = self.token_ids[start : self._released]
-        update = ChoiceUpdate(self.index, ids, None, text=text, finish_reason=finish, stop_reason=stop_reason)
+        update = ChoiceUpdate(self.index, ids, None, finish, stop_reason, text)
         if self._logprob_decoder is not None:
             update.logprobs = self.logprobs[start : self._released]
             top_limit = self.config.top_logprobs_limit
@@ -233,7 +233,7 @@ class ChoiceState:
         if self.config.want_logprobs:
             new_logprobs = self._extend_logprobs(out, len(accepted))
         self._released = len(self.token_ids)
-        return ChoiceUpdate(self.index, accepted, new_logprobs, finish_reason=finish, stop_reason=stop_reason)
+        return ChoiceUpdate(self.index, accepted, new_logprobs, finish, stop_reason)
 
     def _extend_logprobs(self, out: EngineOutput, accepted: int) -> list[PositionLogprobs | None]:
         """Keep logprob positions aligned with token_ids; an output without logprobs (a replayed chunk,
@@ -286,8 +286,10 @@ class RequestState:
             self.num_cached_tokens = out.num_cached_tokens
         if out.kv_pull_seconds is not None:
             self.timing.kv_pull = (out.kv_pull_seconds, out.kv_pull_bytes or 0)
-        self.timing.tokens(len(out.new_token_ids))
-        self.timing.scheduled_at(out.scheduled_at)
+        timing = self.timing
+        timing.tokens(len(out.new_token_ids))
+        if out.scheduled_at is not None:
+            timing.scheduled_at(out.scheduled_at)
         return self.choices[out.index].add(out)
 
     @property

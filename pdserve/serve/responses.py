@@ -23,7 +23,7 @@ from pdserve.output.surfaces import Surface
 from pdserve.protocol.engine import EngineRequest
 from pdserve.protocol.errors import RequestError
 from pdserve.protocol.openai import PromptTokensDetails, UsageInfo
-from pdserve.protocol.sse import DONE, sse_event, sse_event_bytes
+from pdserve.protocol.sse import DONE, sse_event
 from pdserve.serve.driver import Outlet, drive
 from pdserve.serve.event_stream import DirectBody, DirectEvents, EventStreamResponse
 from pdserve.serve.http.errors import engine_error_body, error_body
@@ -87,7 +87,7 @@ class _StreamEvents:
             usage = usage_of(len(rstate.config.prompt_token_ids), len(rstate.choices[update.index].token_ids))
         timed = self.metrics_of
         metrics = timed.metrics() if timed is not None and timed.finished else None
-        return sse_event_bytes(surface.build(update, usage, metrics, k))
+        return surface.event(update, usage, metrics, k)
 
     def first(self, update: ChoiceUpdate) -> bytes | None:
         """:meth:`event` of the first (the only) request: the direct writes' event."""

@@ -10,6 +10,7 @@ from pdserve.output.policy import usage_chunk
 from pdserve.output.surfaces.source import Step
 from pdserve.protocol.generate import OutputMode
 from pdserve.protocol.openai import UsageInfo
+from pdserve.protocol.sse import sse_event_bytes
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -50,6 +51,11 @@ class Surface:
               prompt: int = 0) -> dict[str, Any]:
         """The step's chunk, as a JSON-ready dict. ``prompt``: the step's prompt (completions' several)."""
         raise NotImplementedError
+
+    def event(self, step: Step, usage: UsageInfo | None = None, metrics: dict[str, Any] | None = None,
+              prompt: int = 0) -> bytes:
+        """The step's chunk as the SSE event's bytes (a surface may make them without the dict)."""
+        return sse_event_bytes(self.build(step, usage, metrics, prompt))
 
     def chunk(self, step: Step, usage: UsageInfo | None = None, metrics: dict[str, Any] | None = None,
               prompt: int = 0) -> dict[str, Any] | None:

@@ -28,9 +28,16 @@ from pdserve.protocol.generate import (
     OutputMode,
 )
 from pdserve.protocol.openai import ChatCompletionLogProbs, UsageInfo
+from pdserve.protocol.sse import sse_event_bytes
 from pdserve.text.logprob_json import generate_content_json
 from pdserve.text.logprobs import prompt_logprob_dicts, to_generate_logprobs
 from pdserve.text.tokenizer import Tokenizer
+
+# A value's place in a chunk template (GenerateSurface.event): a NUL byte, which encoded JSON never holds
+# (a string escapes it).
+_SLOT_BYTES = b"\0"
+_SLOT = msgspec.Raw(_SLOT_BYTES)
+_encode = msgspec.json.Encoder().encode
 
 
 class GenerateSurface(Surface):
@@ -52,6 +59,7 @@ class GenerateSurface(Surface):
         self.tokenizer = tokenizer
         self._seen: set[int] = set()
         self._first_chunk = True
+        self._templates: dict[int, bytes] = {}  # per choice: a running step's event, a %-format (event)
 
     # ------------------------------------------------------------ stream
 
@@ -68,10 +76,43 @@ class GenerateSurface(Surface):
         index = step.index
         payload, logprobs, hide_ids = self.payload(step, index not in self._seen)
         self._seen.add(index)
+        opening_ids = self.prompt_token_ids if self._first_chunk else None
+        self._first_chunk = False
+        return self._chunk(index, step.finish_reason, step.stop_reason, None if hide_ids else step.token_ids,
+                           payload, logprobs, usage, metrics, opening_ids)
+
+    def event(self, step: Step, usage: UsageInfo | None = None, metrics: dict[str, Any] | None = None,
+              prompt: int = 0) -> bytes:
+        """:meth:`build`'s event as bytes. A running step (no finish) of a choice that already had a chunk,
+        without usage or metrics, is most of a stream's events: its values are spliced into the choice's
+        template (the same chunk built once with a slot for each value), so the chunk's constant keys are
+        neither built nor encoded again per token."""
+        index = step.index
+        if (usage is not None or metrics is not None or step.finish_reason is not None
+                or step.stop_reason is not None or index not in self._seen):
+            return sse_event_bytes(self.build(step, usage, metrics, prompt))
+        payload, logprobs, hide_ids = self.payload(step, False)
+        template = self._templates.get(index)
+        if template is None:
+            template = self._templates[index] = self._template(index, payload)
+        return template % (_encode(None if hide_ids else step.token_ids), *map(_encode, payload.values()),
+                           _encode(logprobs))
+
+    def _template(self, index: int, payload: dict[str, Any]) -> bytes:
+        """A running step's event for choice ``index`` as a %-format, a ``%b`` for each value: the chunk's
+        token ids, the mode's own fields (``payload``'s keys), its logprobs."""
+        chunk = self._chunk(index, None, None, _SLOT, dict.fromkeys(payload, _SLOT), _SLOT, None, None, None)
+        parts = sse_event_bytes(chunk).split(_SLOT_BYTES)
+        return b"%b".join(part.replace(b"%", b"%%") for part in parts)
+
+    def _chunk(self, index: int, finish_reason: str | None, stop_reason: int | str | None, token_ids: Any,
+               payload: dict[str, Any], logprobs: Any, usage: UsageInfo | None, metrics: dict[str, Any] | None,
+               opening_ids: list[int] | None) -> dict[str, Any]:
+        """The chunk of one choice's step, its keys in the wire models' order: the one place its shape is
+        written (:meth:`build` and :meth:`event`'s templates)."""
         choice: dict[str, Any] = {
-            "index": index, "finish_reason": step.finish_reason, "stop_reason": step.stop_reason,
-            "token_ids": None if hide_ids else step.token_ids, "routed_experts": None, "sampling_mask": None,
-            "weight_versions": None, **payload, "logprobs": logprobs,
+            "index": index, "finish_reason": finish_reason, "stop_reason": stop_reason, "token_ids": token_ids,
+            "routed_experts": None, "sampling_mask": None, "weight_versions": None, **payload, "logprobs": logprobs,
         }
         chunk: dict[str, Any] = {
             "request_id": self.request_id, "usage": None if usage is None else usage.model_dump(mode="json"),
@@ -80,9 +121,8 @@ class GenerateSurface(Surface):
             chunk["metrics"] = metrics
         chunk["output_mode"] = self.output_mode
         chunk["choices"] = [choice]
-        if self._first_chunk and self.prompt_token_ids is not None:
-            chunk["prompt_token_ids"] = self.prompt_token_ids
-        self._first_chunk = False
+        if opening_ids is not None:
+            chunk["prompt_token_ids"] = opening_ids
         return chunk
 
     def usage_head(self) -> dict[str, Any]:

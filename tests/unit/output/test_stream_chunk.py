@@ -119,7 +119,11 @@ def model_chat_chunk(choice_state: ChoiceState, update: ChoiceUpdate, response_i
 
 def wire(chunk: dict) -> bytes:
     """A chunk's bytes, tool call ids (random, drawn by each state's own parser) blanked."""
-    return re.sub(rb"chatcmpl-tool-[0-9a-f]+", b"chatcmpl-tool-*", msgspec.json.encode(chunk))
+    return blank_tool_ids(msgspec.json.encode(chunk))
+
+
+def blank_tool_ids(encoded: bytes) -> bytes:
+    return re.sub(rb"chatcmpl-tool-[0-9a-f]+", b"chatcmpl-tool-*", encoded)
 
 
 def candidates(token: int, top: int | None) -> list[PositionLogprobs] | None:
@@ -168,14 +172,17 @@ def twin_states(request_id: str, encoded: bool = True, **config: Any) -> tuple[R
     with_metrics=st.booleans(),
     top=st.none() | st.integers(0, 4),
     encoded=st.booleans(),
+    as_event=st.booleans(),
 )
 def test_plain_chunks_equal_the_models_dump(mode: str, pieces: list[str], finish: str, stop_reason: int | None,
                                             with_usage: bool, with_metrics: bool, top: int | None,
-                                            encoded: bool) -> None:
+                                            encoded: bool, as_event: bool) -> None:
+    """``as_event``: the chunks as the stream writes them (GenerateSurface.event: a running step's bytes from
+    the choice's template), else as dicts (GenerateSurface.build)."""
     ids = TOK.encode("".join(pieces))
     factory = (lambda: ChatParser(PARSERS, TOK, CHAT, PROMPT)) if mode == "derender" else None
     state, reference_state = twin_states(
-        "generate-tokens-x#1", encoded, mode=mode, prompt_token_ids=PROMPT, tokenizer=TOK,
+        "generate-%d-100%-x#1", encoded, mode=mode, prompt_token_ids=PROMPT, tokenizer=TOK,
         stop=StopConfig(eos_token_ids=tuple(TOK.eos_token_ids)), parser_factory=factory, streaming=True,
         skip_special_tokens=mode != "derender", want_logprobs=top is not None, top_logprobs_limit=top,
     )
@@ -183,11 +190,13 @@ def test_plain_chunks_equal_the_models_dump(mode: str, pieces: list[str], finish
     surface = generate_surface(mode)(state.request_id, "m", want_logprobs=top is not None)  # type: ignore[arg-type]
     first = True
     for update, reference_update in twin_updates(state, reference_state, ids, top, finish, stop_reason):
-        fast = surface.build(update, usage, metrics)
         reference = model_stream_chunk(reference_state, reference_update, usage, first_for_choice=first,
                                        metrics=metrics)
         # What goes on the wire: same keys, same order, same values.
-        assert wire(fast) == wire(reference)
+        if as_event:
+            assert blank_tool_ids(surface.event(update, usage, metrics)) == b"data: " + wire(reference) + b"\n\n"
+        else:
+            assert wire(surface.build(update, usage, metrics)) == wire(reference)
         first = False
 
 
