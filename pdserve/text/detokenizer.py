@@ -17,9 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenizers.decoders import DecodeStream
-
-from pdserve.text.tokenizer import REPLACEMENT_CHAR, Tokenizer
+from pdserve.text.byte_stream import REPLACEMENT_CHAR
+from pdserve.text.tokenizer import Tokenizer
 
 # How many prompt ids prime the stream: enough for any multi-byte character.
 _PRIME_IDS = 16
@@ -189,7 +188,7 @@ class IncrementalDetokenizer:
         while clean and clean_text.endswith(REPLACEMENT_CHAR):
             clean -= 1
             clean_text = self._decode(context[:clean])
-        self._stream = DecodeStream(ids=context[:clean], skip_special_tokens=self._skip_special)
+        self._stream = self._tok.decode_stream(context[:clean], self._skip_special)
         for token_id in context[clean:]:
             self._tok.stream_step(self._stream, token_id)  # incomplete bytes: no text yet
         # Characters the next decoded text still owes to the context, and the context ids holding them.

@@ -19,7 +19,8 @@ import msgspec
 from pdserve.protocol.engine import PositionLogprobs
 from pdserve.protocol.generate import GenerateLogProb, GenerateLogProbsContent, PromptLogprob
 from pdserve.protocol.openai import ChatCompletionLogProbsContent, CompletionLogProbs
-from pdserve.text.tokenizer import REPLACEMENT_CHAR, Tokenizer
+from pdserve.text.byte_stream import REPLACEMENT_CHAR
+from pdserve.text.tokenizer import Tokenizer
 
 LOGPROB_FLOOR = -9999.0
 REPAIR_CONTEXT = 4

@@ -23,8 +23,10 @@ from tokenizers.decoders import ByteLevel, DecodeStream
 
 from pdserve.checkpoints.builtin import qwen3_tokenizer_dir
 from pdserve.checkpoints.model_dir import generation_defaults, model_eos_ids
+from pdserve.text.byte_stream import REPLACEMENT_CHAR, ByteLevelStream, byte_level_alphabet
 
-REPLACEMENT_CHAR = "\ufffd"
+_BYTE_ALPHABET = byte_level_alphabet()
+_UNSEEN = object()
 
 _encode_json = msgspec.json.Encoder().encode
 
@@ -113,6 +115,7 @@ class Tokenizer:
         # Every id that ends a sequence as EOS, the tokenizer's own first (vLLM's rule for derender).
         primary = [] if self.eos_token_id is None else [self.eos_token_id]
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*primary, *model_eos_ids]))
+        self._id_bytes: dict[int, bytes | None] = {}  # id_bytes, filled as ids are first decoded
         self.chat_template_source = chat_template
         self._template = _compile_template(chat_template) if chat_template else None
 
@@ -139,10 +142,37 @@ class Tokenizer:
         self.decoded_ids += len(ids)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def stream_step(self, stream: DecodeStream, token_id: int) -> str | None:
+    def decode_stream(self, ids: Sequence[int], skip_special_tokens: bool) -> DecodeStream | ByteLevelStream:
+        """An incremental decoder after ``ids``: for a byte-level tokenizer a :class:`ByteLevelStream` (the
+        same steps as ``DecodeStream``, without its decode of the whole window through the Rust side on
+        every step), else ``DecodeStream``."""
+        if not self.byte_level:
+            return DecodeStream(ids=list(ids), skip_special_tokens=skip_special_tokens)
+        return ByteLevelStream(self._kept_id_bytes if skip_special_tokens else self.id_bytes, ids)
+
+    def stream_step(self, stream: DecodeStream | ByteLevelStream, token_id: int) -> str | None:
         """One id through an incremental decoder (the detokenizer's hot path), counted."""
         self.decoded_ids += 1
         return stream.step(self.hf, token_id)
+
+    def id_bytes(self, token_id: int) -> bytes | None:
+        """A byte-level tokenizer's bytes for one id, as its decoder takes them: each character of the id's
+        string stands for a byte, or, where one does not (an added token's text), the string's own UTF-8.
+        None for an id the tokenizer does not know. Made on an id's first use and kept."""
+        cached = self._id_bytes.get(token_id, _UNSEEN)
+        if cached is not _UNSEEN:
+            return cached  # type: ignore[return-value]
+        token = self.hf.id_to_token(token_id) if token_id >= 0 else None
+        value = None
+        if token is not None:
+            alphabet = _BYTE_ALPHABET
+            value = bytes(alphabet[c] for c in token) if all(c in alphabet for c in token) else token.encode()
+        self._id_bytes[token_id] = value
+        return value
+
+    def _kept_id_bytes(self, token_id: int) -> bytes | None:
+        """:meth:`id_bytes`, None for special ids too (a decode that skips them)."""
+        return None if token_id in self.special_ids else self.id_bytes(token_id)
 
     def token_to_id(self, token: str) -> int | None:
         return self.hf.token_to_id(token)
@@ -184,6 +214,11 @@ class Tokenizer:
         return frozenset(i for i, s in enumerate(self.token_strings) if s.endswith(REPLACEMENT_CHAR))
 
     @cached_property
+    def byte_level(self) -> bool:
+        """The decoder is byte-level (GPT-2 style): each id stands for fixed bytes."""
+        return isinstance(self.hf.decoder, ByteLevel)
+
+    @cached_property
     def standalone_pieces(self) -> list[str | None] | None:
         """Per id, its text where that never depends on its neighbours; None for the other ids, and no
         table at all for a decoder that is not byte-level.
@@ -194,7 +229,7 @@ class Tokenizer:
         detokenizer takes it from here instead of a decode call. Added tokens (specials, markup) and
         pieces of a character (their string holds U+FFFD) keep the decoder's own path.
         """
-        if not isinstance(self.hf.decoder, ByteLevel):
+        if not self.byte_level:
             return None
         added = self.added_ids
         return [

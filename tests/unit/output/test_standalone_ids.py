@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 
 from pdserve.output.request_state import ChoiceState, OutputConfig
 from pdserve.protocol.engine import EngineOutput
+from pdserve.text.byte_stream import REPLACEMENT_CHAR
 from pdserve.text.detokenizer import StopConfig
-from pdserve.text.tokenizer import REPLACEMENT_CHAR, Tokenizer
+from pdserve.text.tokenizer import Tokenizer
 
 TOK = Tokenizer.load("qwen3")
 TABLE = TOK.standalone_pieces
