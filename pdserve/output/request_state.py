@@ -104,6 +104,8 @@ class ChoiceState:
     _logprob_decoder: LogprobDecoder | None = None
     _logprob_json: ChatLogprobJson | None = None
     _decodes_text: bool = False  # the mode's answer carries text (protocol.generate.decodes_text)
+    # An update is its ids and text alone: no logprobs, no parser, no delta (add's shortest path).
+    _plain_text: bool = False
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -120,6 +122,8 @@ class ChoiceState:
                 self._logprob_json = ChatLogprobJson(self._logprob_decoder)
         if parses_message(cfg.mode) and cfg.parser_factory is not None and cfg.streaming:
             self.parser = cfg.parser_factory()
+        self._plain_text = self._decodes_text and not cfg.want_logprobs and not (
+            cfg.streaming and parses_message(cfg.mode))
 
     @property
     def finished(self) -> bool:
@@ -165,6 +169,9 @@ class ChoiceState:
         text = detok.take_standalone(new_ids[0]) if finish is None and len(new_ids) == 1 else None
         if text is not None:
             self._released = start + 1
+            if self._plain_text:  # most of a text stream's tokens: the id and its own string, nothing else
+                self.stop_reason = stop_reason
+                return ChoiceUpdate(self.index, [new_ids[0]], None, None, stop_reason, text)
         else:
             stop_terminated, stop_reason = self.config.stop.stop_token_end(finish, stop_reason, new_ids)
             detok.update(new_ids, stop_terminated)
