@@ -104,6 +104,7 @@ class ChoiceState:
     _logprob_decoder: LogprobDecoder | None = None
     _logprob_json: ChatLogprobJson | None = None
     _decodes_text: bool = False  # the mode's answer carries text (protocol.generate.decodes_text)
+    _streams_deltas: bool = False  # a streamed message: each update carries a delta
     # An update is its ids and text alone: no logprobs, no parser, no delta (add's shortest path).
     _plain_text: bool = False
 
@@ -120,10 +121,10 @@ class ChoiceState:
             self._logprob_decoder = LogprobDecoder(cfg.tokenizer)
             if cfg.encoded_logprobs:
                 self._logprob_json = ChatLogprobJson(self._logprob_decoder)
-        if parses_message(cfg.mode) and cfg.parser_factory is not None and cfg.streaming:
+        self._streams_deltas = cfg.streaming and parses_message(cfg.mode)
+        if self._streams_deltas and cfg.parser_factory is not None:
             self.parser = cfg.parser_factory()
-        self._plain_text = self._decodes_text and not cfg.want_logprobs and not (
-            cfg.streaming and parses_message(cfg.mode))
+        self._plain_text = self._decodes_text and not cfg.want_logprobs and not self._streams_deltas
 
     @property
     def finished(self) -> bool:
@@ -209,7 +210,7 @@ class ChoiceState:
             if self.hides_metadata:
                 update.hides_metadata = True
                 update.decoded_logprobs = update.logprobs_json = None
-        elif self.config.streaming and parses_message(self.config.mode):
+        elif self._streams_deltas:
             update.delta = TextDelta(content=text or None)
         return update
 

@@ -28,13 +28,9 @@ def byte_level_alphabet() -> dict[str, int]:
     Printable Latin-1 bytes stand for themselves; the other 68 bytes take the characters from U+0100 on,
     in byte order (GPT-2's convention, which every byte-level tokenizer shares)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = dict.fromkeys(printable, 0)
     alphabet: dict[str, int] = {chr(b): b for b in printable}
-    extra = 0
-    for byte in range(256):
-        if byte not in chars:
-            alphabet[chr(256 + extra)] = byte
-            extra += 1
+    others = [b for b in range(256) if chr(b) not in alphabet]
+    alphabet.update({chr(256 + n): b for n, b in enumerate(others)})
     return alphabet
 
 
