@@ -71,11 +71,11 @@ class ChoiceUpdate:
     stop_reason: int | str | None = None
     text: str = ""
     delta: StreamDelta | None = None
+    # The choice hides reasoning, so its ids and logprobs are withheld (ChoiceState.hides_metadata).
+    hides_metadata: bool = False
     decoded_logprobs: list[TokenLogprobs] | None = None
     # The same entries as a JSON array, when the config asks for them encoded (OutputConfig.encoded_logprobs).
     logprobs_json: bytes | None = None
-    # The choice hides reasoning, so its ids and logprobs are withheld (ChoiceState.hides_metadata).
-    hides_metadata: bool = False
 
     @property
     def finished(self) -> bool:
@@ -107,6 +107,8 @@ class ChoiceState:
     _streams_deltas: bool = False  # a streamed message: each update carries a delta
     # An update is its ids and text alone: no logprobs, no parser, no delta (add's shortest path).
     _plain_text: bool = False
+    # An update is its ids, text and the delta made of that text alone (a streamed message without logprobs).
+    _plain_delta: bool = False
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -125,6 +127,7 @@ class ChoiceState:
         if self._streams_deltas and cfg.parser_factory is not None:
             self.parser = cfg.parser_factory()
         self._plain_text = self._decodes_text and not cfg.want_logprobs and not self._streams_deltas
+        self._plain_delta = self._streams_deltas and not cfg.want_logprobs
 
     @property
     def finished(self) -> bool:
@@ -173,6 +176,14 @@ class ChoiceState:
             if self._plain_text:  # most of a text stream's tokens: the id and its own string, nothing else
                 self.stop_reason = stop_reason
                 return ChoiceUpdate(self.index, [new_ids[0]], None, None, stop_reason, text)
+            if self._plain_delta:  # most of a streamed message's tokens: that, and the delta of its string
+                self.stop_reason = stop_reason
+                ids = [new_ids[0]]
+                parser = self.parser
+                if parser is None:
+                    return ChoiceUpdate(self.index, ids, None, None, stop_reason, text, TextDelta(content=text or None))
+                return ChoiceUpdate(self.index, ids, None, None, stop_reason, text, parser.step(text, ids, None)[0],
+                                    parser.hide_metadata)
         else:
             stop_terminated, stop_reason = self.config.stop.stop_token_end(finish, stop_reason, new_ids)
             detok.update(new_ids, stop_terminated)

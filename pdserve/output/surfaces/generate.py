@@ -27,7 +27,7 @@ from pdserve.protocol.generate import (
     GenerateTokensResponse,
     OutputMode,
 )
-from pdserve.protocol.openai import ChatCompletionLogProbs, UsageInfo
+from pdserve.protocol.openai import ChatCompletionLogProbs, TextDelta, UsageInfo
 from pdserve.protocol.sse import sse_event_bytes
 from pdserve.text.logprob_json import generate_content_json
 from pdserve.text.logprobs import prompt_logprob_dicts, to_generate_logprobs
@@ -72,7 +72,8 @@ class GenerateSurface(Surface):
         """One SSE event (one choice), key for key what the wire models (``Generate*StreamResponse``) dump
         (property-tested against them in tests/unit/output/test_stream_chunk.py), without a model built,
         validated and dumped per token; logprob content comes as JSON already written
-        (:mod:`pdserve.text.logprob_json`) or as the decoder's structs, which msgspec encodes as they are."""
+        (:mod:`pdserve.text.logprob_json`) or as the decoder's structs, and a plain delta as its
+        :class:`~pdserve.protocol.openai.TextDelta`, which msgspec encodes as they are."""
         index = step.index
         payload, logprobs, hide_ids = self.payload(step, index not in self._seen)
         self._seen.add(index)
@@ -206,9 +207,10 @@ class DerenderSurface(GenerateSurface):
 
     def payload(self, step: Step, first_for_choice: bool) -> tuple[dict[str, Any], dict[str, Any] | None, bool]:
         hide = step.hides_metadata
-        delta = delta_json(assistant_delta(step.delta) if first_for_choice else step.delta)
+        delta = assistant_delta(step.delta) if first_for_choice else step.delta
         logprobs = decoded_logprobs_json(step) if self.want_logprobs and not hide else None  # type: ignore[arg-type]
-        return {"delta": delta}, logprobs, hide
+        # A TextDelta goes as it is: msgspec writes the bytes of its dump in a quarter of the time a dict takes.
+        return {"delta": delta if type(delta) is TextDelta else delta_json(delta)}, logprobs, hide
 
     def batch_choice(self, choice: ChoiceState) -> GenerateDerenderChoice:
         message, finish = choice.final_message()
