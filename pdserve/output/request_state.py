@@ -71,11 +71,11 @@ class ChoiceUpdate:
     stop_reason: int | str | None = None
     text: str = ""
     delta: StreamDelta | None = None
-    # The choice hides reasoning, so its ids and logprobs are withheld (ChoiceState.hides_metadata).
-    hides_metadata: bool = False
     decoded_logprobs: list[TokenLogprobs] | None = None
     # The same entries as a JSON array, when the config asks for them encoded (OutputConfig.encoded_logprobs).
     logprobs_json: bytes | None = None
+    # The choice hides reasoning, so its ids and logprobs are withheld (ChoiceState.hides_metadata).
+    hides_metadata: bool = False
 
     @property
     def finished(self) -> bool:
@@ -105,10 +105,8 @@ class ChoiceState:
     _logprob_json: ChatLogprobJson | None = None
     _decodes_text: bool = False  # the mode's answer carries text (protocol.generate.decodes_text)
     _streams_deltas: bool = False  # a streamed message: each update carries a delta
-    # An update is its ids and text alone: no logprobs, no parser, no delta (add's shortest path).
-    _plain_text: bool = False
-    # An update is its ids, text and the delta made of that text alone (a streamed message without logprobs).
-    _plain_delta: bool = False
+    # An update is its ids, text and (a streamed message) the delta of that text: no logprobs (add's shortest path).
+    _plain: bool = False
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -126,8 +124,7 @@ class ChoiceState:
         self._streams_deltas = cfg.streaming and parses_message(cfg.mode)
         if self._streams_deltas and cfg.parser_factory is not None:
             self.parser = cfg.parser_factory()
-        self._plain_text = self._decodes_text and not cfg.want_logprobs and not self._streams_deltas
-        self._plain_delta = self._streams_deltas and not cfg.want_logprobs
+        self._plain = self._decodes_text and not cfg.want_logprobs
 
     @property
     def finished(self) -> bool:
@@ -173,17 +170,10 @@ class ChoiceState:
         text = detok.take_standalone(new_ids[0]) if finish is None and len(new_ids) == 1 else None
         if text is not None:
             self._released = start + 1
-            if self._plain_text:  # most of a text stream's tokens: the id and its own string, nothing else
+            if self._plain:  # most of a stream's tokens: the id, its own string and the delta of that, nothing else
                 self.stop_reason = stop_reason
-                return ChoiceUpdate(self.index, [new_ids[0]], None, None, stop_reason, text)
-            if self._plain_delta:  # most of a streamed message's tokens: that, and the delta of its string
-                self.stop_reason = stop_reason
-                ids = [new_ids[0]]
-                parser = self.parser
-                if parser is None:
-                    return ChoiceUpdate(self.index, ids, None, None, stop_reason, text, TextDelta(content=text or None))
-                return ChoiceUpdate(self.index, ids, None, None, stop_reason, text, parser.step(text, ids, None)[0],
-                                    parser.hide_metadata)
+                update = ChoiceUpdate(self.index, [new_ids[0]], None, None, stop_reason, text)
+                return self._with_delta(update, None) if self._streams_deltas else update
         else:
             stop_terminated, stop_reason = self.config.stop.stop_token_end(finish, stop_reason, new_ids)
             detok.update(new_ids, stop_terminated)
@@ -216,13 +206,19 @@ class ChoiceState:
                 update.decoded_logprobs = self._logprob_decoder.chat_content(update.logprobs, ids, top_limit)
                 if not self.config.streaming:  # a batch answer sends them all at the end; a stream, chunk by chunk
                     self.decoded_logprobs.extend(update.decoded_logprobs)
-        if self.parser is not None:
-            update.delta, update.finish_reason = self.parser.step(text, ids, finish)
-            if self.hides_metadata:
+        return self._with_delta(update, finish)
+
+    def _with_delta(self, update: ChoiceUpdate, finish: str | None) -> ChoiceUpdate:
+        """``update`` with its message delta (a streamed message): its text through the parser, which may also
+        resolve the finish reason and withhold ids and logprobs, else its text as content."""
+        parser = self.parser
+        if parser is not None:
+            update.delta, update.finish_reason = parser.step(update.text, update.token_ids, finish)
+            if parser.hide_metadata:
                 update.hides_metadata = True
                 update.decoded_logprobs = update.logprobs_json = None
         elif self._streams_deltas:
-            update.delta = TextDelta(content=text or None)
+            update.delta = TextDelta(content=update.text or None)
         return update
 
     def resume(self, prior_chunks: Sequence[Sequence[int]]) -> None:
