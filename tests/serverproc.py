@@ -125,9 +125,13 @@ def metric_sum(url: str, name: str, labels: str = "", missing: float | None = No
     """The sum of the ``/metrics`` samples named ``name`` whose labels contain ``labels`` (vLLM labels every
     sample with its engine and model; a pdserve counter has one unlabelled sample). A missing name fails,
     unless ``missing`` says what it counts as (a labelled counter has no sample before its first count)."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+    return samples_sum(httpx.get(url + "/metrics", timeout=10).text, name, labels, missing, where=url)
+
+
+def samples_sum(text: str, name: str, labels: str = "", missing: float | None = None, where: str = "") -> float:
+    """:func:`metric_sum` over a ``/metrics`` text already read (``where``: whose, for the failure message)."""
     found = re.findall(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
     if not found and missing is not None:
         return missing
-    assert found, f"{name} missing from {url}/metrics"
+    assert found, f"{name} missing from {where}/metrics"
     return sum(float(value) for label, value in found if labels in (label or ""))

@@ -14,7 +14,7 @@ import httpx
 
 from tests.broken_streams import WEATHER
 from tests.fleet.hosts import MEMBER_PORT, FleetHosts, Host, HostMember, require_namespaces
-from tests.serverproc import metric_sum
+from tests.serverproc import metric_sum, samples_sum
 from tests.waiting import wait_until
 
 MODEL = "qwen3-tiny"
@@ -113,6 +113,16 @@ def metric(member: HostMember, name: str) -> float:
         return metric_sum(member.url, name)
     except httpx.HTTPError:
         return -1.0  # not answering (stopped, restarting): not 0
+
+
+def metric_on_host(member: HostMember, name: str) -> float:
+    """:func:`metric` read on the member's own host (over its loopback, not its link): a fault test that
+    slows a host's link must not put its own scrapes on it, where they queue before the traffic under test
+    and lose packets to the rate limit (TCP then backs off for seconds before that traffic moves again)."""
+    got = member.host.run("curl", "--silent", "--fail", "--max-time", "10", member.url + "/metrics", timeout=15)
+    if got.returncode != 0:
+        return -1.0
+    return samples_sum(got.stdout, name, where=member.url)
 
 
 def model_dir() -> str:

@@ -30,7 +30,17 @@ import httpx
 import pytest
 
 from tests.broken_streams import assembled, stream
-from tests.fleet.fleet import CHAT, COMPLETION, MODEL, PULL_TIMEOUT_S, STREAM, Fleet, metric, running_fleet
+from tests.fleet.fleet import (
+    CHAT,
+    COMPLETION,
+    MODEL,
+    PULL_TIMEOUT_S,
+    STREAM,
+    Fleet,
+    metric,
+    metric_on_host,
+    running_fleet,
+)
 from tests.fleet.hosts import MEMBER_PORT, HostMember
 from tests.serverproc import metric_sum
 from tests.waiting import wait_until
@@ -155,7 +165,7 @@ def _during_the_pull(fleet: Fleet, leg: str, prefill_fault: Callable[[HostMember
 
     def fault() -> None:
         fleet.serving()
-        held = wait_until(lambda: [p for p in fleet.prefills if metric(p, "pdserve_kv_held_requests") == 1],
+        held = wait_until(lambda: [p for p in fleet.prefills if metric_on_host(p, "pdserve_kv_held_requests") == 1],
                           "a prefill member holds the prompt's KV")
         wait_until(lambda: any(metric(d, "pdserve_running_requests") >= 1 for d in fleet.decodes),
                    "the decode leg reached a decode member")
