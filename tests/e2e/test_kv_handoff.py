@@ -38,9 +38,10 @@ def servers() -> Iterator[dict[str, ServerProcess]]:
     group = {
         "prefill": ServerProcess("serve", MODEL, *KV, *EXACT),
         "decode": ServerProcess("serve", MODEL, *KV, *EXACT),
-        # One engine slot: pulled decode legs queue for it (the wrong-answer bug of issue 29's soak).
-        "narrow": ServerProcess("serve", MODEL, *KV, *EXACT, "--max-num-seqs", "1"),
-        "recompute": ServerProcess("serve", MODEL, *KV, *EXACT, "--kv-load-failure-policy", "recompute"),
+        # One engine slot: pulled decode legs queue for it (the wrong-answer bug of issue 29's soak). A failed
+        # pull is computed here instead (the policy acts only on a failure: the queued legs' pulls succeed).
+        "narrow": ServerProcess("serve", MODEL, *KV, *EXACT, "--max-num-seqs", "1",
+                                "--kv-load-failure-policy", "recompute"),
         "doomed": ServerProcess("serve", MODEL, *KV, *EXACT),  # a prefill server this module kills
         "prefill_bf16": ServerProcess("serve", MODEL, *KV),
         "decode_bf16": ServerProcess("serve", MODEL, *KV),
@@ -229,7 +230,7 @@ def test_failed_pull_fails_with_502_naming_the_cause_batch_and_stream(servers) -
 
 
 def test_recompute_policy_answers_correctly_and_counts_one_recompute(servers) -> None:  # type: ignore[no-untyped-def]
-    p, d = servers["prefill"], servers["recompute"]
+    p, d = servers["prefill"], servers["narrow"]
     token_ids = prompts(1, seed=4)[0]
     params = unreachable(prefill_leg(p, token_ids))
     before = d.metric("pdserve_kv_recomputes_total")
@@ -306,5 +307,5 @@ def test_the_ready_banner_says_how_kv_is_handed_off(servers) -> None:  # type: i
     engine_id = httpx.get(servers["prefill"].url + "/kv/metadata").json()["engine_id"]
     banner = servers["prefill"].log()
     assert f"kv         nixl, engine {engine_id}" in banner and "on load failure fail" in banner
-    assert "on load failure recompute" in servers["recompute"].log()
+    assert "on load failure recompute" in servers["narrow"].log()
     assert "kv         none" in servers["plain"].log()

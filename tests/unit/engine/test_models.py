@@ -149,17 +149,34 @@ def _random_model(
 BATCH_SLOTS = 72
 
 
+@functools.cache
+def _prefilled(cls: type[LlamaForCausalLM], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A cache of ``BATCH_SLOTS`` prompts of many lengths (its data, in ``dtype``), their lengths and each one's
+    next token, prefilled once per model by its float32 default: the prefills were most of the decode tests'
+    time (bfloat16 is emulated on an AVX2 CPU), and a decode test needs keys/values to read, not ones the model
+    under test wrote (the bfloat16 prefill's own accuracy is test_prefill_matches_the_reference's)."""
+    data, lengths, tokens = _prefilled_f32(cls)
+    return data.to(dtype), lengths, tokens
+
+
+@functools.cache
+def _prefilled_f32(cls: type[LlamaForCausalLM]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    model = _random_model(cls, torch.float32)
+    cache = KVCache(model.cfg, BATCH_SLOTS, 512, torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.randint(1, 300, (BATCH_SLOTS,), generator=gen)
+    tokens = torch.randint(0, 1000, (BATCH_SLOTS,), generator=gen)
+    for slot, n in enumerate(lengths.tolist()):
+        model.prefill(torch.randint(0, 1000, (n,), generator=gen), cache, slot)
+    return cache.data.clone(), lengths, tokens
+
+
 class _DecodeBatches:
     """One decode step over slots ``0..rows-1`` (sequences of many lengths), always from the same cache."""
 
     def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype) -> None:
         self.model, self.cache = model, KVCache(model.cfg, BATCH_SLOTS, 512, dtype)
-        gen = torch.Generator().manual_seed(2)
-        self.lengths = torch.randint(1, 300, (BATCH_SLOTS,), generator=gen)
-        self.tokens = torch.randint(0, 1000, (BATCH_SLOTS,), generator=gen)
-        for slot, n in enumerate(self.lengths.tolist()):
-            model.prefill(torch.randint(0, 1000, (n,), generator=gen), self.cache, slot)
-        self.snapshot = self.cache.data.clone()
+        self.snapshot, self.lengths, self.tokens = _prefilled(type(model), dtype)
 
     def batch(self, rows: int) -> torch.Tensor:
         """Logits of the first ``rows`` sequences decoded together."""
@@ -207,6 +224,19 @@ def test_default_bfloat16_decode_rows_stay_close_to_float32_in_any_batch(cls: ty
     for rows in (1, 8, 40, BATCH_SLOTS):
         error = (runs.batch(rows) - reference[:rows]).norm(dim=-1) / reference[:rows].norm(dim=-1)
         assert float(error.max()) < BF16_DECODE_TOLERANCE, f"batch of {rows}: relative error {error.max():.4f}"
+
+
+@pytest.mark.parametrize("cls", [LlamaForCausalLM, Qwen3ForCausalLM])
+def test_default_bfloat16_prefill_stays_close_to_float32(cls: type[LlamaForCausalLM]) -> None:
+    """A bfloat16 prefill's logits, each position's, to bfloat16 accuracy (prompts up to the decode tests')."""
+    exact, fast = _random_model(cls, torch.float32), _random_model(cls, torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    for n in (1, 17, 150, 299):
+        prompt = torch.randint(0, 1000, (n,), generator=gen)
+        reference = exact.logits(exact.prefill(prompt, KVCache(exact.cfg, 1, 512, torch.float32), 0))
+        got = fast.logits(fast.prefill(prompt, KVCache(fast.cfg, 1, 512, torch.bfloat16), 0)).float()
+        error = (got - reference).norm(dim=-1) / reference.norm(dim=-1)
+        assert float(error.max()) < BF16_DECODE_TOLERANCE, f"{n} positions: relative error {error.max():.4f}"
 
 
 @functools.cache
