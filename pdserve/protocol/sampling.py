@@ -64,6 +64,8 @@ class KnownExtraArgs(BaseModel):
 
     # --engine scripted: replay this script (modulo the number of scripts).
     script_index: StrictInt | None = None
+    # --engine scripted: this request's ids per engine step (the server's --tokens-per-step otherwise).
+    tokens_per_step: StrictInt | None = Field(None, ge=1)
     # llm-d sends the P/D hand-off here instead of top level (checked by pdserve.protocol.kv).
     kv_transfer_params: dict[str, Any] | None = None
 

@@ -143,7 +143,8 @@ def add_server_commands(sub: argparse._SubParsersAction) -> None:
                        help="vllm: the model runs in vLLM's AsyncLLM (needs `make vllm-env`)")
     serve.add_argument("--tokenizer", default=None, help="'qwen3' or a directory with tokenizer.json")
     serve.add_argument("--script", default=None, help="JSONL token scripts for --engine scripted")
-    serve.add_argument("--tokens-per-step", type=int, default=1)
+    serve.add_argument("--tokens-per-step", type=int, default=1,
+                       help="--engine scripted: ids per step (a request's extra_args.tokens_per_step overrides it)")
     serve.add_argument("--step-ms", type=float, default=0.0)
     serve.add_argument("--tokens-only", action="store_true", help="no tokenizer: token ids in and out only")
     serve.add_argument("--max-model-len", type=int, default=None)

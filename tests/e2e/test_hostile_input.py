@@ -136,6 +136,8 @@ CASES = [
     Case("script-index-list", "plain", CHAT, chat(vllm_xargs={"script_index": [1]}), "script_index"),
     Case("script-index-generate", "tokens_only", GEN, sp(extra_args={"script_index": {"a": 1}}), "script_index"),
     Case("extra-args-kv-not-dict", "plain", GEN, sp(extra_args={"kv_transfer_params": 5}), "kv_transfer_params"),
+    Case("tokens-per-step-zero", "plain", CMPL, cmpl(vllm_xargs={"tokens_per_step": 0}), "tokens_per_step"),
+    Case("tokens-per-step-str", "tokens_only", GEN, sp(extra_args={"tokens_per_step": "3"}), "tokens_per_step"),
     # -- message shapes, checked before the chat template
     Case("user-tool-calls-int", "plain", CHAT, chat(messages=[{"role": "user", "content": "x", "tool_calls": 5}]),
          "tool_calls"),

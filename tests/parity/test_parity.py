@@ -1,7 +1,8 @@
 """Parity: inline derender == derender(generate tokens) == coupled /v1/chat/completions, batch and streamed.
 
 A real server per parser setup (scripted engine replaying every case's output
-with the real Qwen3 tokenizer), at one token per engine step and at three. For each case every surface is checked against
+with the real Qwen3 tokenizer), its requests at one token per engine step and at three
+(``vllm_xargs.tokens_per_step``). For each case every surface is checked against
 the hand-written expectation in tests/fixtures/parser_cases.py and against each
 other (content, reasoning, tool calls by name + parsed arguments, finish_reason,
 stop_reason, logprob tokens/bytes).
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -40,18 +42,17 @@ PARAMS = [(1, label, case) for label, cases in CASES_BY_SETUP.items() for case i
 
 
 class Servers:
-    """One server per setup at one tokens-per-step, each started on first use (or all at once)."""
+    """One server per setup, each started on first use (or all at once)."""
 
-    def __init__(self, tmp_path_factory: pytest.TempPathFactory, tokens_per_step: int):
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory):
         self._tmp = tmp_path_factory
-        self.tokens_per_step = tokens_per_step
         self._servers: dict[str, ServerProcess] = {}
 
     def _server(self, label: str) -> ServerProcess:
         script = self._tmp.mktemp("parity") / f"{label}.jsonl"
         script.write_text("".join(json.dumps({"text": c.output}) + "\n" for c in CASES_BY_SETUP[label]))
         return ServerProcess("serve", "--engine", "scripted", "--tokenizer", "qwen3", "--script", str(script),
-                             "--tokens-per-step", str(self.tokens_per_step), *SETUPS[label].cli_args())
+                             *SETUPS[label].cli_args())
 
     def get(self, label: str) -> ServerProcess:
         if label not in self._servers:
@@ -69,30 +70,36 @@ class Servers:
 
 
 @pytest.fixture(scope="module")
-def by_step(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[int], Servers]]:
-    """Servers by tokens per step, made on first use and shared by the module's tests."""
-    made: dict[int, Servers] = {}
-
-    def get(tokens_per_step: int) -> Servers:
-        if tokens_per_step not in made:
-            made[tokens_per_step] = Servers(tmp_path_factory, tokens_per_step)
-        return made[tokens_per_step]
-
+def setups(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    """The servers, made on first use and shared by the module's tests."""
+    made = Servers(tmp_path_factory)
     try:
-        yield get
+        yield made
     finally:
-        for servers in made.values():
-            servers.stop()
+        made.stop()
+
+
+@dataclass
+class Paced:
+    """The servers, and how many ids a step of the engine gives each request of a test."""
+
+    servers: Servers
+    tokens_per_step: int
+
+    def get(self, label: str) -> ServerProcess:
+        return self.servers.get(label)
 
 
 @pytest.fixture(params=[1, 3], ids=lambda k: f"{k}-per-step")
-def servers(request: pytest.FixtureRequest, by_step: Callable[[int], Servers]) -> Servers:
-    return by_step(request.param)
+def servers(request: pytest.FixtureRequest, setups: Servers) -> Paced:
+    return Paced(setups, request.param)
 
 
-def chat_body(label: str, case: ParserCase, **extra: Any) -> dict[str, Any]:
+def chat_body(label: str, case: ParserCase, tokens_per_step: int, **extra: Any) -> dict[str, Any]:
+    """The case's chat request: its script replayed ``tokens_per_step`` ids a step (the render carries both
+    into the sampling params every other surface is sent)."""
     body = dict(case.request)
-    body["vllm_xargs"] = {"script_index": CASES_BY_SETUP[label].index(case)}
+    body["vllm_xargs"] = {"script_index": CASES_BY_SETUP[label].index(case), "tokens_per_step": tokens_per_step}
     body["logprobs"] = True
     body["top_logprobs"] = 2
     if case.engine_finish_reason == "length":
@@ -166,12 +173,11 @@ def stream_logprobs(choices: list[dict[str, Any]]) -> list | None:
 
 @pytest.mark.parametrize(("tokens_per_step", "label", "case"), PARAMS,
                          ids=[f"{k}-per-step-{label}-{case.name}" for k, label, case in PARAMS])
-def test_chat_parity(by_step: Callable[[int], Servers], tokens_per_step: int, label: str, case: ParserCase) -> None:
-    servers = by_step(tokens_per_step)
-    servers.start_all(list(CASES_BY_SETUP))  # the matrix uses every setup: start them together, once
-    srv = servers.get(label)
+def test_chat_parity(setups: Servers, tokens_per_step: int, label: str, case: ParserCase) -> None:
+    setups.start_all(list(CASES_BY_SETUP))  # the matrix uses every setup: start them together, once
+    srv = setups.get(label)
     want = expected(case)
-    chat = chat_body(label, case)
+    chat = chat_body(label, case, tokens_per_step)
 
     # Coupled, batch and stream.
     coupled = post(srv, "/v1/chat/completions", chat)["choices"][0]
@@ -192,9 +198,9 @@ def test_chat_parity(by_step: Callable[[int], Servers], tokens_per_step: int, la
     assert done and all(e["output_mode"] == "derender" for e in events)
     inline_stream = [e["choices"][0] for e in events]
     # One chunk per 4 tokens (the first token and the end at once): the same message, in fewer chunks. (On the
-    # server of one token per step; the other already feeds the parsers multi-token deltas.)
+    # pace of one token per step; the other already feeds the parsers multi-token deltas.)
     interval_streams: dict[str, list[dict[str, Any]]] = {}
-    if servers.tokens_per_step == 1:
+    if tokens_per_step == 1:
         events, done = stream_post(srv.url + "/v1/chat/completions", {**chat, "stream": True, "stream_interval": 4})
         assert done
         interval_streams["coupled stream_interval 4"] = [e["choices"][0] for e in events if e["choices"]]
@@ -227,8 +233,10 @@ def test_chat_parity(by_step: Callable[[int], Servers], tokens_per_step: int, la
         assert inline_choice["token_ids"] is None
     else:
         assert inline_choice["token_ids"] == tokens["choices"][0]["token_ids"]
+    generated = len(tokens["choices"][0]["token_ids"])
+    # The engine's steps carried the request's pace: a chunk per step at most (and one for the end).
+    assert len(inline_stream) <= 2 + -(-generated // tokens_per_step)
     if interval_streams:
-        generated = len(tokens["choices"][0]["token_ids"])
         chunks = len(interval_streams["inline stream_interval 4"])
         assert chunks <= 2 + (generated - 1) // 4
         assert chunks < len(inline_stream) or generated <= 12
@@ -260,10 +268,10 @@ TEXT_CASES = [c for c in CASES if c.name in ("plain_answer", "cjk_and_emoji", "r
 
 
 @pytest.mark.parametrize("case", TEXT_CASES, ids=[c.name for c in TEXT_CASES])
-def test_text_parity(servers: Servers, case: ParserCase) -> None:
+def test_text_parity(servers: Paced, case: ParserCase) -> None:
     label = next(s.label for s in case.setups)
     srv = servers.get(label)
-    rendered = post(srv, "/v1/chat/completions/render", chat_body(label, case))
+    rendered = post(srv, "/v1/chat/completions/render", chat_body(label, case, servers.tokens_per_step))
     ids, sp = rendered["token_ids"], {**rendered["sampling_params"], "logprobs": 2}
     text = post(srv, "/inference/v1/generate", {"token_ids": ids, "output_mode": "text", "sampling_params": sp})
     tokens = post(srv, "/inference/v1/generate", {"token_ids": ids, "sampling_params": sp})
@@ -303,11 +311,11 @@ def test_text_parity(servers: Servers, case: ParserCase) -> None:
     [("= 391.", "\n\n17 * 23 ", False), (" so ", "", True)],
     ids=["in-content", "in-reasoning"],
 )
-def test_stop_string_parity(servers: Servers, stop: str, content: str, reasoning_cut: bool) -> None:
+def test_stop_string_parity(servers: Paced, stop: str, content: str, reasoning_cut: bool) -> None:
     case = next(c for c in CASES if c.name == "reasoning_then_answer")
     label = case.setups[0].label
     srv = servers.get(label)
-    chat = chat_body(label, case, stop=[stop])
+    chat = chat_body(label, case, servers.tokens_per_step, stop=[stop])
     coupled = post(srv, "/v1/chat/completions", chat)["choices"][0]
     rendered = post(srv, "/v1/chat/completions/render", chat)
     inline = post(srv, "/inference/v1/generate", {**rendered, "output_mode": "derender"})["choices"][0]
@@ -346,11 +354,11 @@ def test_stop_string_parity(servers: Servers, stop: str, content: str, reasoning
     assert stop in TOK.decode(tokens["choices"][0]["token_ids"])
 
 
-def test_n_parity(servers: Servers) -> None:
+def test_n_parity(servers: Paced) -> None:
     case = next(c for c in CASES if c.name == "reasoning_then_two_tool_calls")
     label = case.setups[0].label
     srv = servers.get(label)
-    chat = chat_body(label, case, n=2)
+    chat = chat_body(label, case, servers.tokens_per_step, n=2)
     coupled = post(srv, "/v1/chat/completions", chat)["choices"]
     rendered = post(srv, "/v1/chat/completions/render", chat)
     inline = post(srv, "/inference/v1/generate", {**rendered, "output_mode": "derender"})["choices"]
@@ -381,13 +389,13 @@ ENDINGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 
 @pytest.mark.parametrize("label", ["-+-", "-+hermes"])
 @pytest.mark.parametrize("ending", list(ENDINGS))
-def test_derender_of_tokens_equals_generate_for_every_ending(servers: Servers, label: str, ending: str) -> None:
+def test_derender_of_tokens_equals_generate_for_every_ending(servers: Paced, label: str, ending: str) -> None:
     """Derender of a tokens response == generate text/derender of the same ids, however it ended."""
     case = next(c for c in CASES if c.name == "plain_answer")
     srv = servers.get(label)
     params, rewrite = ENDINGS[ending]
     # Special tokens kept in the text, so a stop token whose text is not left out would show.
-    chat = chat_body(label, case, skip_special_tokens=False, logprobs=False, top_logprobs=None, **params)
+    chat = chat_body(label, case, servers.tokens_per_step, skip_special_tokens=False, logprobs=False, top_logprobs=None, **params)
     rendered = post(srv, "/v1/chat/completions/render", chat)
     sp = {**rendered["sampling_params"], "skip_special_tokens": False, **params}
     ids = rendered["token_ids"]

@@ -13,7 +13,9 @@ and ``logit_bias`` only shift a distribution, and a script has none: they are va
 no effect. Scripts are token ids
 (:class:`~pdserve.engine.spec.TokenScript`; the serve layer reads and encodes the JSONL file),
 chosen round-robin per request unless ``sampling_params.extra_args.script_index``
-picks one. A script may set ``fail_after`` to make the engine raise :class:`EngineError`
+picks one; ``extra_args.tokens_per_step`` sets one request's pace (the server's otherwise), so one server
+can feed its parsers and streams one id at a time and several at once. A script may set ``fail_after``
+to make the engine raise :class:`EngineError`
 for its request after N tokens (for error-path tests). A resumed stream (``prior_output_tokens``)
 continues its script after the ids it already produced, as a model continues its text.
 
@@ -300,7 +302,7 @@ class ScriptedCore:
         ids: list[int] = []
         finish: str | None = None
         stop_reason: int | str | None = None
-        for _ in range(self._tokens_per_step):
+        for _ in range((request.extra_args or {}).get("tokens_per_step") or self._tokens_per_step):
             token, finish, stop_reason = self._next_token(seq, sampling)
             ids.append(token)
             seq.produced += 1

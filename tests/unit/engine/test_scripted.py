@@ -109,6 +109,17 @@ def test_script_index_pick_and_round_robin() -> None:
     assert serve(eng, in_turn) == [[1, EOS], [2, EOS], [2, EOS], [1, EOS]]
 
 
+def test_a_request_may_set_its_own_tokens_per_step() -> None:
+    eng = engine(scripts=[TokenScript([1, 2, 3, 4, 5, 6, 7])])
+
+    async def paces() -> list[list[list[int]]]:
+        picks = [("a", None), ("b", {"tokens_per_step": 3}), ("c", {"tokens_per_step": 1})]
+        return [[o.new_token_ids for o in await collect(eng, request(rid, extra_args=extra))] for rid, extra in picks]
+
+    one_at_a_time = [[1], [2], [3], [4], [5], [6], [7], [EOS]]
+    assert serve(eng, paces) == [one_at_a_time, [[1, 2, 3], [4, 5, 6], [7, EOS]], one_at_a_time]
+
+
 def test_abort_and_stop_sequence() -> None:
     eng = engine(step_ms=5)
 
