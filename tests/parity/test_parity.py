@@ -395,7 +395,8 @@ def test_derender_of_tokens_equals_generate_for_every_ending(servers: Paced, lab
     srv = servers.get(label)
     params, rewrite = ENDINGS[ending]
     # Special tokens kept in the text, so a stop token whose text is not left out would show.
-    chat = chat_body(label, case, servers.tokens_per_step, skip_special_tokens=False, logprobs=False, top_logprobs=None, **params)
+    chat = chat_body(label, case, servers.tokens_per_step, skip_special_tokens=False, logprobs=False,
+                     top_logprobs=None, **params)
     rendered = post(srv, "/v1/chat/completions/render", chat)
     sp = {**rendered["sampling_params"], "skip_special_tokens": False, **params}
     ids = rendered["token_ids"]

@@ -81,6 +81,7 @@ class ReplayingRequest:
     script: TokenScript
     seqs: list[_Sequence]
     budget: int  # max_model_len minus the prompt
+    tokens_per_step: int  # ids a step gives each sequence (extra_args.tokens_per_step, else the server's)
     aborted: bool = False
     abort_cause: str | None = None
     first: bool = True
@@ -159,7 +160,8 @@ class ScriptedCore:
             raise ValueError(f"request id {request.request_id!r} is already running")
         self.validate(request)
         sampling = request.sampling
-        chosen = (request.extra_args or {}).get("script_index")
+        extra_args = request.extra_args or {}
+        chosen = extra_args.get("script_index")
         if chosen is None:
             chosen = next(self._next_script)
         script = self._scripts[int(chosen) % len(self._scripts)]
@@ -170,7 +172,8 @@ class ScriptedCore:
         seqs = [_Sequence(i, script.token_ids, random.Random(seed + i), cursor=start, allowed=allowed)
                 for i in range(sampling.n)]
         self._live[request.request_id] = ReplayingRequest(
-            request, script, seqs, self.info.max_model_len - len(request.prompt_token_ids)
+            request, script, seqs, self.info.max_model_len - len(request.prompt_token_ids),
+            extra_args.get("tokens_per_step") or self._tokens_per_step,
         )
 
     def abort(self, request_ids: list[str], cause: str | None) -> None:
@@ -233,7 +236,7 @@ class ScriptedCore:
         for seq in running:
             if live.script.fail_after is not None and seq.produced >= live.script.fail_after:
                 return outputs, EngineError(f"scripted failure after {seq.produced} tokens")
-            out = self._step(seq, live.request, live.budget)
+            out = self._step(seq, live)
             if live.first:
                 out.scheduled_at = now
             if live.first and sampling.prompt_logprobs is not None and seq.index == 0:
@@ -297,12 +300,13 @@ class ScriptedCore:
         k = (request.sampling.prompt_logprobs or 0) + 1
         return [None] + [self._pseudo_logprobs(rng, t, k) for t in request.prompt_token_ids[1:]]
 
-    def _step(self, seq: _Sequence, request: EngineRequest, budget: int) -> EngineOutput:
+    def _step(self, seq: _Sequence, live: ReplayingRequest) -> EngineOutput:
+        request, budget = live.request, live.budget
         sampling = request.sampling
         ids: list[int] = []
         finish: str | None = None
         stop_reason: int | str | None = None
-        for _ in range((request.extra_args or {}).get("tokens_per_step") or self._tokens_per_step):
+        for _ in range(live.tokens_per_step):
             token, finish, stop_reason = self._next_token(seq, sampling)
             ids.append(token)
             seq.produced += 1

@@ -150,17 +150,11 @@ BATCH_SLOTS = 72
 
 
 @functools.cache
-def _prefilled(cls: type[LlamaForCausalLM], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A cache of ``BATCH_SLOTS`` prompts of many lengths (its data, in ``dtype``), their lengths and each one's
-    next token, prefilled once per model by its float32 default: the prefills were most of the decode tests'
-    time (bfloat16 is emulated on an AVX2 CPU), and a decode test needs keys/values to read, not ones the model
-    under test wrote (the bfloat16 prefill's own accuracy is test_prefill_matches_the_reference's)."""
-    data, lengths, tokens = _prefilled_f32(cls)
-    return data.to(dtype), lengths, tokens
-
-
-@functools.cache
-def _prefilled_f32(cls: type[LlamaForCausalLM]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _prefilled(cls: type[LlamaForCausalLM]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A float32 cache of ``BATCH_SLOTS`` prompts of many lengths (its data), their lengths and each one's next
+    token, prefilled once per model by its float32 default: the prefills were most of the decode tests' time
+    (bfloat16 is emulated on an AVX2 CPU), and a decode test needs keys/values to read, not ones the model under
+    test wrote (the bfloat16 prefill's own accuracy is test_default_bfloat16_prefill_stays_close_to_float32's)."""
     model = _random_model(cls, torch.float32)
     cache = KVCache(model.cfg, BATCH_SLOTS, 512, torch.float32)
     gen = torch.Generator().manual_seed(2)
@@ -176,7 +170,8 @@ class _DecodeBatches:
 
     def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype) -> None:
         self.model, self.cache = model, KVCache(model.cfg, BATCH_SLOTS, 512, dtype)
-        self.snapshot, self.lengths, self.tokens = _prefilled(type(model), dtype)
+        data, self.lengths, self.tokens = _prefilled(type(model))
+        self.snapshot = data.to(dtype)
 
     def batch(self, rows: int) -> torch.Tensor:
         """Logits of the first ``rows`` sequences decoded together."""
